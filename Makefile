@@ -1,0 +1,32 @@
+# Two entry points for newcomers: `make demo` and `make test`. Both set up .venv themselves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	bash scripts/setup_venv.sh $(VENV) $(PY)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m ray_ingest.cli.main demo
+
+test: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check ray_ingest jobs bench tests
+
+bench: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python bench/tar_read.py
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python bench/plan_scale.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,35 @@
+"""Exception types. Every message is one line naming the file, shard, key or field at fault."""
+
+from __future__ import annotations
+
+
+class IngestError(Exception):
+    """Base class: bad input the user can fix. The CLI prints it as one line and exits 2."""
+
+
+class CatalogError(IngestError):
+    """A wdinfo.json (or dataset discovery) is missing, malformed or inconsistent."""
+
+
+class TarFormatError(IngestError):
+    """A tar stream is truncated, corrupt or holds an unreadable member."""
+
+
+class AlignmentError(IngestError):
+    """Twin tars disagree (strict mode): names the shard, the position and every modality's key."""
+
+
+class ConfigError(IngestError):
+    """A configuration field is invalid: names the field, the expected and the actual value."""
+
+
+class StateError(IngestError):
+    """A saved ReadState does not match the run it is restored into: names the field."""
+
+
+class UnsafeFormatError(IngestError):
+    """A member uses a format that executes code on load (pickle, torch) and the user did not opt in."""
+
+
+class SkipBudgetExceeded(IngestError):
+    """on_error=skip ran past its per-shard or per-epoch budget."""
