@@ -1,0 +1,167 @@
+"""Read one twin shard (or a slice of it) into aligned sample rows.
+
+Opens every modality's tar through :mod:`ray_ingest.remote`, positions the streams at the
+slice's first sample — seeking with the per-shard key index when one exists, streaming past
+payloads otherwise, never decoding — and hands them to :func:`ray_ingest.twin.expand`.
+The same function serves the Ray read tasks, ``ray-ingest cat`` and the benchmarks, so they
+cannot disagree.
+
+No Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any, BinaryIO
+
+import attrs
+
+from ray_ingest import remote
+from ray_ingest.catalog import TarSample
+from ray_ingest.errors import IngestError, TarFormatError
+from ray_ingest.tario import Member, TarIndex, index_url, iter_members
+from ray_ingest.twin import DEFAULT_WINDOW, AlignStats, check_align, expand
+
+
+@attrs.frozen
+class ReadOptions:
+    """How shards are read. Small and picklable: it travels inside every Ray read task."""
+
+    #: ``strict`` | ``merge`` | ``index`` (see :mod:`ray_ingest.twin`).
+    align: str = attrs.field(default="strict")
+    #: Modalities that may lack a sample (or a whole tar).
+    optional: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    #: Seek with ``<tar>.idx.json`` when present.
+    use_index: bool = True
+    #: Parquet key list for ``align="index"`` (applies to shards via its ``shard`` column,
+    #: or to every shard when it has none).
+    index_path: str | None = None
+    #: Look-ahead members per secondary modality in merge/index mode.
+    window: int = DEFAULT_WINDOW
+    #: fsspec storage options (``token``, ``project``, …).
+    storage_options: dict[str, Any] = attrs.field(factory=dict)
+    #: Retry policy for remote reads (None: remote's default).
+    retry: Any = None
+
+    @align.validator
+    def _check(self, attribute: attrs.Attribute, value: str) -> None:
+        check_align(value)
+
+
+def load_index_keys(path: str, shard: str | None = None,
+                    storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Keys of a parquet key list: first column, cut at the first ``.`` (PiD's rule).
+
+    When the file has a ``shard`` column, only rows of ``shard`` are returned.
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        with remote.open_url(path, storage_options) as f:
+            table = pq.read_table(f)
+    except FileNotFoundError:
+        raise IngestError(f"{path}: index file not found") from None
+    except IngestError:
+        raise
+    except Exception as exc:  # pyarrow raises many types for a bad file
+        raise IngestError(f"{path}: cannot read parquet key index ({exc})") from None
+    if table.num_columns == 0:
+        raise IngestError(f"{path}: parquet key index has no columns")
+    key_col = next((n for n in table.column_names if n != "shard"), None)
+    if key_col is None:
+        raise IngestError(f"{path}: parquet key index has no key column")
+    keys = [str(k).split(".", 1)[0] for k in table.column(key_col).to_pylist()]
+    if shard is not None and "shard" in table.column_names:
+        shards = table.column("shard").to_pylist()
+        keys = [k for k, s in zip(keys, shards) if s == shard]
+    return keys
+
+
+def _read_index(url: str, storage_options: dict[str, Any]) -> TarIndex | None:
+    try:
+        raw = remote.read_bytes(index_url(url), storage_options)
+    except (FileNotFoundError, IngestError, OSError):
+        return None
+    try:
+        return TarIndex.from_dict(json.loads(raw), index_url(url))
+    except (ValueError, TarFormatError):
+        return None  # a broken index only costs speed: fall back to streaming
+
+
+def _position(f: BinaryIO, url: str, start: int, opts: ReadOptions) -> tuple[int, list[str]]:
+    """Move ``f`` to named member ``start``; return (byte offset, keys passed over)."""
+    if start <= 0:
+        return 0, []
+    idx = _read_index(url, opts.storage_options) if opts.use_index else None
+    if idx is not None:
+        named = [i for i, k in enumerate(idx.keys) if k is not None]
+        if start < len(named):
+            off = idx.offsets[named[start]]
+            if f.seekable():
+                f.seek(off)
+                passed = [idx.keys[i] for i in named[:start]]
+                return off, passed  # type: ignore[return-value]
+    passed: list[str] = []
+    pos = 0
+    for m in iter_members(f, url, read_data=False):
+        if m.key is None:
+            continue
+        passed.append(m.key)
+        if len(passed) == start:
+            pos = f.tell()
+            break
+    else:
+        with contextlib.suppress(OSError, ValueError):
+            pos = f.tell()
+    return pos, passed
+
+
+def read_shard(
+    shard: TarSample,
+    start: int = 0,
+    count: int | None = None,
+    opts: ReadOptions = ReadOptions(),
+    stats: AlignStats | None = None,
+    index_keys: Sequence[str] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yield the aligned rows of ``shard`` from sample ``start`` (at most ``count`` of them).
+
+    Rows hold ``__key__``, ``__shard__``, ``__index__`` and, per modality, its bytes and its
+    extension (``<modality>__ext``).
+    """
+    stack = contextlib.ExitStack()
+    with stack:
+        streams: dict[str, Iterator[Member]] = {}
+        skip_keys: list[str] = []
+        driver = shard.keys[0]
+        for m in shard.keys:
+            url = shard.url(m)
+            try:
+                f = stack.enter_context(remote.open_url(url, opts.storage_options))
+            except FileNotFoundError:
+                if m in opts.optional and m != driver:
+                    continue
+                raise IngestError(f"shard {shard.path}: missing {m} tar {url}") from None
+            offset = 0
+            if opts.align == "strict" or (opts.align == "merge" and m == driver):
+                offset, passed = _position(f, url, start, opts)
+                if m == driver:
+                    skip_keys = passed
+            streams[m] = iter_members(f, url, start_offset=offset)
+        if opts.align == "index":
+            keys = index_keys
+            if keys is None:
+                if opts.index_path is None and shard.sample_keys_full_list is None:
+                    raise IngestError(f"shard {shard.path}: align='index' needs an index file")
+                keys = load_index_keys(opts.index_path or shard.sample_keys_full_list, shard.path,
+                                       opts.storage_options)
+            gen = expand(shard.path, streams, align="index", optional=opts.optional,
+                         index_keys=keys, first_index=start, limit=count, stats=stats,
+                         window=opts.window)
+        else:
+            gen = expand(shard.path, streams, align=opts.align, optional=opts.optional,
+                         first_index=start, limit=count, skip_keys=skip_keys, stats=stats,
+                         window=opts.window)
+        yield from gen
