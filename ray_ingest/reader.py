@@ -75,7 +75,7 @@ def load_index_keys(path: str, shard: str | None = None,
     keys = [str(k).split(".", 1)[0] for k in table.column(key_col).to_pylist()]
     if shard is not None and "shard" in table.column_names:
         shards = table.column("shard").to_pylist()
-        keys = [k for k, s in zip(keys, shards) if s == shard]
+        keys = [k for k, s in zip(keys, shards, strict=True) if s == shard]
     return keys
 
 

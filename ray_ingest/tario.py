@@ -20,6 +20,7 @@ No Ray, no torch.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from collections.abc import Iterator
@@ -272,22 +273,20 @@ def build_index(f: BinaryIO, source: str = "<tar>", tar_size: int = -1) -> TarIn
 
 
 def skip_members(f: BinaryIO, n: int, source: str = "<tar>", start_offset: int = 0) -> int:
-    """Advance ``f`` past the first ``n`` regular members; return the new absolute offset.
+    """Advance ``f`` past the first ``n`` *named* members; return the new absolute offset.
 
-    Stops early (returning the offset) at end of archive; headers are parsed, payloads are
-    never read when ``f`` is seekable.
+    Payloads are never read when ``f`` is seekable. Stops at end of archive.
     """
-    if n <= 0:
-        return start_offset
     pos = start_offset
-    seen = 0
+    if n <= 0:
+        return pos
+    named = 0
     for m in iter_members(f, source, read_data=False, start_offset=start_offset):
-        seen += 1
         pos = m.offset + BLOCK + (m.size + BLOCK - 1) // BLOCK * BLOCK
-        # pax/long-name headers make the data start later; recompute from the stream when we can
-        if seen == n:
-            try:
-                return f.tell()
-            except (AttributeError, OSError, ValueError):
-                return pos
+        if m.key is not None:
+            named += 1
+            if named == n:
+                break
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        pos = f.tell()  # exact even after pax / long-name headers
     return pos
