@@ -1,0 +1,84 @@
+"""``ray-ingest plan``: print which shards each (rank, worker) reads in one epoch.
+
+A thin wrapper of :func:`ray_ingest.plan.assign_slot`; needs only the wdinfo.json files.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ray_ingest.catalog import load_catalog
+from ray_ingest.errors import ConfigError
+from ray_ingest.plan import SEED_MODES, PlanParams, Topology, assign_slot, base_order
+
+
+@click.command("plan")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--world-size", type=int, required=True, help="Number of training ranks.")
+@click.option("--num-workers", type=int, required=True, help="Loader workers per rank.")
+@click.option("--group-size", type=int, default=1, show_default=True,
+              help="Ranks per data-parallel group (TP*CP*PP); they read identical lists.")
+@click.option("--rank", type=int, default=None, help="Only this rank.")
+@click.option("--worker", type=int, default=None, help="Only this worker of each rank.")
+@click.option("--epoch", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Run seed (epoch mode).")
+@click.option("--seed-mode", type=click.Choice(SEED_MODES), default="epoch", show_default=True,
+              help="epoch: hash-seeded per epoch; pid: PiD's url lists bit for bit.")
+@click.option("--no-shuffle", is_flag=True, help="Do not shuffle worker lists.")
+@click.option("--no-repeat", is_flag=True, help="Do not extend cyclically to slots*workers.")
+@click.option("--start-index", type=int, default=0, show_default=True,
+              help="PiD WDS_START_INDEX: skip start_index // chunk_size // workers shards.")
+@click.option("--keys", default=None, help="Comma-separated modalities (default: the wdinfo's).")
+@click.option("--json", "as_json", is_flag=True,
+              help='One line {"rank","worker","group","shards"} per (rank, worker).')
+def command(
+    paths: tuple[str, ...],
+    world_size: int,
+    num_workers: int,
+    group_size: int,
+    rank: int | None,
+    worker: int | None,
+    epoch: int,
+    seed: int,
+    seed_mode: str,
+    no_shuffle: bool,
+    no_repeat: bool,
+    start_index: int,
+    keys: str | None,
+    as_json: bool,
+) -> None:
+    """Shard lists per rank and worker for PATH... (wdinfo.json files or folders).
+
+    With --rank and --worker: that worker's shards, one data_list path per line. With
+    --json: one JSON line per selected (rank, worker); all of them when none is selected.
+    """
+    if not as_json and (rank is None or worker is None):
+        raise ConfigError("--rank/--worker: expected both (or --json), got "
+                          f"rank={rank} worker={worker}")
+    # Validate the whole selection up front; errors name the Topology field.
+    topo = Topology(world_size=world_size, rank=rank or 0, num_workers=num_workers,
+                    worker_id=worker or 0, group_size=group_size)
+    params = PlanParams(seed=seed, seed_mode=seed_mode, shuffle=not no_shuffle,
+                        repeat=not no_repeat, start_index=start_index)
+    key_list = [k.strip() for k in keys.split(",") if k.strip()] if keys else None
+    catalog = load_catalog(list(paths), keys=key_list)
+    shard_names = [s.path for s in catalog.shards]
+    n = len(shard_names)
+    order = base_order(n, params, epoch)
+    ranks = range(world_size) if rank is None else [rank]
+    workers = range(num_workers) if worker is None else [worker]
+    slot, lists = -1, ()
+    for r in ranks:
+        if r // topo.group_size != slot:  # ranks of one group share their lists
+            slot = r // topo.group_size
+            lists = assign_slot(n, catalog.chunk_size, slot, topo.slots, num_workers, params,
+                                epoch, order)
+        for w in workers:
+            names = [shard_names[i] for i in lists[w].shards]
+            if as_json:
+                click.echo(json.dumps({"rank": r, "worker": w, "group": slot, "shards": names}))
+            else:
+                for name in names:
+                    click.echo(name)

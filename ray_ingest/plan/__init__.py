@@ -1,0 +1,67 @@
+"""Pure planning: topology, shard assignment per (slot, worker), and per-slot sample slices.
+
+No Ray, no torch. See ``docs/planning.md``.
+"""
+
+from ray_ingest.plan.assign import (
+    DEFAULT_PARAMS,
+    SEED_MODES,
+    PlanParams,
+    WorkerShards,
+    assign,
+    assign_epoch,
+    assign_slot,
+    assign_worker,
+    base_order,
+    epoch_key,
+    epoch_order,
+    extended_length,
+    shard_paths,
+    skip_count,
+    splitmix64,
+    worker_seed,
+)
+from ray_ingest.plan.detect import detect_topology, pid_env_start, ray_train_rank
+from ray_ingest.plan.slices import (
+    ShardSlice,
+    balance,
+    interleave,
+    iter_samples,
+    plan_epoch,
+    plan_slot,
+    slot_totals,
+    total,
+)
+from ray_ingest.plan.topology import Topology, check_int
+
+__all__ = [
+    "DEFAULT_PARAMS",
+    "PlanParams",
+    "SEED_MODES",
+    "ShardSlice",
+    "Topology",
+    "WorkerShards",
+    "assign",
+    "assign_epoch",
+    "assign_slot",
+    "assign_worker",
+    "balance",
+    "base_order",
+    "check_int",
+    "detect_topology",
+    "epoch_key",
+    "epoch_order",
+    "extended_length",
+    "interleave",
+    "iter_samples",
+    "pid_env_start",
+    "plan_epoch",
+    "plan_slot",
+    "ray_train_rank",
+    "shard_paths",
+    "skip_count",
+    "slot_totals",
+    "splitmix64",
+    "total",
+    "worker_seed",
+]

@@ -1,0 +1,281 @@
+"""Shard assignment: which shards each (slot, worker) reads in one epoch, in which order.
+
+Both seed modes share PiD's structure (``ShardlistBasic``, pid_semantics §6/§7)::
+
+    base      = urls                      (pid)   |  urls[epoch_order(seed, epoch)]  (epoch)
+    extended  = base[i % N] for i in range(ceil(N / T) * T)    T = slots * workers (repeat)
+    worker    = extended[slot::slots][worker::workers]
+              = extended[slot + slots*worker + slots*workers*j  for j = 0, 1, ...]
+    shuffle   : random.Random(worker_seed).shuffle(worker)
+    skip      : worker[(start_index // chunk_size) // workers:]
+
+A worker's list is computed straight from that stride, never by materialising the extended
+list, so one rank's lists cost O(its shards) (plus the O(N) owned permutation in epoch mode).
+Entries whose extended index is ``>= N`` are the cyclic-repeat extras: planned duplicates,
+flagged ``pad``.
+
+numpy only; no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from ray_ingest.errors import ConfigError
+from ray_ingest.plan.topology import Topology, check_int
+
+#: Valid ``seed_mode`` values: ``epoch`` (default, reshuffles per epoch) and ``pid`` (bit-exact).
+SEED_MODES = ("epoch", "pid")
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def check_seed_mode(field: str, value: object) -> str:
+    """Validate a seed mode name, listing the valid ones in the error."""
+    if value not in SEED_MODES:
+        raise ConfigError(f"{field}: expected one of {', '.join(SEED_MODES)}, got {value!r}")
+    return str(value)
+
+
+def _digest64(text: str) -> int:
+    """First 8 bytes (big-endian) of sha256 over ``text``: stable across Python/numpy versions."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def epoch_key(seed: int, epoch: int) -> int:
+    """64-bit key of the epoch permutation: sha256(``"ray_ingest:{seed}:{epoch}"``)[:8]."""
+    return _digest64(f"ray_ingest:{seed}:{epoch}")
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """Vectorized splitmix64 finaliser over uint64 (wrapping arithmetic)."""
+    z = np.asarray(x, dtype=np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def epoch_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
+    """The owned global permutation of epoch ``epoch``: position i reads shard ``order[i]``.
+
+    ``order = stable_argsort(splitmix64(epoch_key(seed, epoch) ^ arange(N)))``. Defined only
+    by sha256, 64-bit wrapping integer maths and a stable sort, so it never changes with the
+    Python or numpy version. Pinned by golden tests.
+    """
+    check_int("num_shards", num_shards, 0)
+    check_int("seed", seed)
+    check_int("epoch", epoch, 0)
+    key = np.uint64(epoch_key(seed, epoch))
+    mixed = splitmix64(np.arange(num_shards, dtype=np.uint64) ^ key)
+    return np.argsort(mixed, kind="stable").astype(np.int64, copy=False)
+
+
+def worker_seed(seed_mode: str, seed: int, epoch: int, slot: int, worker: int,
+                num_workers: int) -> int:
+    """Seed of ``random.Random`` for one worker list.
+
+    ``pid``: ``slot * num_workers + worker`` (PiD; ``seed`` and ``epoch`` unused).
+    ``epoch``: sha256(``"ray_ingest:{seed}:{epoch}:{slot}:{worker}"``)[:8] as a big-endian int.
+    """
+    if check_seed_mode("seed_mode", seed_mode) == "pid":
+        return slot * num_workers + worker
+    return _digest64(f"ray_ingest:{seed}:{epoch}:{slot}:{worker}")
+
+
+def extended_length(num_shards: int, slots: int, num_workers: int, repeat: bool) -> int:
+    """Length of the (virtual) extended list: ``ceil(N/T)*T`` with repeat, else ``N``."""
+    if not repeat or num_shards == 0:
+        return num_shards
+    t = slots * num_workers
+    return -(-num_shards // t) * t
+
+
+def skip_count(start_index: int, chunk_size: int, num_workers: int) -> int:
+    """Entries PiD drops from the head of each worker list: ``start_index // chunk_size // K``."""
+    check_int("start_index", start_index, 0)
+    check_int("chunk_size", chunk_size, 1)
+    return (start_index // chunk_size) // num_workers
+
+
+def _check_bool(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+@attrs.frozen
+class PlanParams:
+    """How an epoch is planned (everything but the topology, the catalog and the epoch)."""
+
+    #: Run seed; only ``epoch`` mode uses it.
+    seed: int = 0
+    #: ``"epoch"`` (hash-seeded per epoch) or ``"pid"`` (PiD's url lists bit for bit).
+    seed_mode: str = "epoch"
+    #: Shuffle each worker list (PiD ``shuffle``).
+    shuffle: bool = True
+    #: Extend cyclically to a multiple of ``slots * num_workers`` (PiD ``repeat_url``).
+    repeat: bool = True
+    #: Pad every slot to the same number of samples per epoch (planned duplicates).
+    equal_work: bool = True
+    #: PiD's ``WDS_START_INDEX``: drop ``start_index // chunk_size // num_workers`` shards
+    #: from the head of every worker list. 0 disables it.
+    start_index: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        check_int("PlanParams.seed", self.seed)
+        check_seed_mode("PlanParams.seed_mode", self.seed_mode)
+        _check_bool("PlanParams.shuffle", self.shuffle)
+        _check_bool("PlanParams.repeat", self.repeat)
+        _check_bool("PlanParams.equal_work", self.equal_work)
+        check_int("PlanParams.start_index", self.start_index, 0)
+
+
+#: The default parameters (epoch mode, seed 0, shuffle, repeat, equal work).
+DEFAULT_PARAMS = PlanParams()
+
+
+@attrs.frozen
+class WorkerShards:
+    """One (slot, worker)'s ordered shard list for one epoch."""
+
+    #: Data-parallel group id.
+    slot: int
+    #: Loader worker id within each rank of the group.
+    worker: int
+    #: Indices into ``catalog.shards``, in reading order.
+    shards: tuple[int, ...]
+    #: Per entry: True for a cyclic-repeat extra (a planned duplicate).
+    pad: tuple[bool, ...]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+
+def _check_grid(num_shards: int, chunk_size: int, slots: int, num_workers: int,
+                params: PlanParams, epoch: int) -> int:
+    """Validate the common arguments; return the per-worker skip."""
+    check_int("num_shards", num_shards, 0)
+    check_int("slots", slots, 1)
+    check_int("num_workers", num_workers, 1)
+    check_int("epoch", epoch, 0)
+    if not isinstance(params, PlanParams):
+        raise ConfigError(f"params: expected a PlanParams, got {type(params).__name__}")
+    return skip_count(params.start_index, chunk_size, num_workers)
+
+
+def base_order(num_shards: int, params: PlanParams, epoch: int) -> np.ndarray | None:
+    """Global order before splitting: None (identity) in pid mode, :func:`epoch_order` else."""
+    if params.seed_mode == "pid":
+        return None
+    return epoch_order(num_shards, params.seed, epoch)
+
+
+def _worker(num_shards: int, slot: int, slots: int, worker: int, num_workers: int,
+            params: PlanParams, epoch: int, skip: int, order: np.ndarray | None) -> WorkerShards:
+    ext = extended_length(num_shards, slots, num_workers, params.repeat)
+    first = slot + slots * worker
+    stride = slots * num_workers
+    n = max(0, -(-(ext - first) // stride))
+    pos = np.arange(n, dtype=np.int64) * stride + first
+    idx = pos % num_shards if num_shards else pos
+    shards = (idx if order is None else order[idx]).tolist()
+    pad = (pos >= num_shards).tolist()
+    if params.shuffle and n > 1:
+        # Random.shuffle's swaps do not depend on the content: shuffle positions, then gather.
+        perm = list(range(n))
+        seed = worker_seed(params.seed_mode, params.seed, epoch, slot, worker, num_workers)
+        random.Random(seed).shuffle(perm)
+        shards = [shards[i] for i in perm]
+        pad = [pad[i] for i in perm]
+    return WorkerShards(slot=slot, worker=worker, shards=tuple(shards[skip:]),
+                        pad=tuple(pad[skip:]))
+
+
+def assign_slot(
+    num_shards: int,
+    chunk_size: int,
+    slot: int,
+    slots: int,
+    num_workers: int,
+    params: PlanParams = DEFAULT_PARAMS,
+    epoch: int = 0,
+    order: np.ndarray | None = None,
+) -> tuple[WorkerShards, ...]:
+    """Every worker list of one data-parallel slot.
+
+    Args:
+        num_shards: N, the number of shards in the catalog.
+        chunk_size: Samples per shard for PiD's start-index skip (``catalog.chunk_size``).
+        slot: Data-parallel group id, ``0 <= slot < slots``.
+        slots: Number of data-parallel groups.
+        num_workers: Loader workers per rank (K).
+        params: Seed, seed mode, shuffle, repeat and start index.
+        epoch: Epoch number (seeds the order in ``epoch`` mode; unused in ``pid`` mode).
+        order: A precomputed :func:`base_order` to reuse across slots (optional).
+
+    Returns:
+        One :class:`WorkerShards` per worker, in worker order.
+    """
+    skip = _check_grid(num_shards, chunk_size, slots, num_workers, params, epoch)
+    check_int("slot", slot, 0, slots, "slots")
+    if order is None:
+        order = base_order(num_shards, params, epoch)
+    return tuple(
+        _worker(num_shards, slot, slots, w, num_workers, params, epoch, skip, order)
+        for w in range(num_workers)
+    )
+
+
+def assign_worker(
+    num_shards: int,
+    chunk_size: int,
+    slot: int,
+    slots: int,
+    worker: int,
+    num_workers: int,
+    params: PlanParams = DEFAULT_PARAMS,
+    epoch: int = 0,
+    order: np.ndarray | None = None,
+) -> WorkerShards:
+    """One (slot, worker) list; arguments as in :func:`assign_slot`."""
+    skip = _check_grid(num_shards, chunk_size, slots, num_workers, params, epoch)
+    check_int("slot", slot, 0, slots, "slots")
+    check_int("worker", worker, 0, num_workers, "num_workers")
+    if order is None:
+        order = base_order(num_shards, params, epoch)
+    return _worker(num_shards, slot, slots, worker, num_workers, params, epoch, skip, order)
+
+
+def assign_epoch(
+    num_shards: int,
+    chunk_size: int,
+    slots: int,
+    num_workers: int,
+    params: PlanParams = DEFAULT_PARAMS,
+    epoch: int = 0,
+) -> list[tuple[WorkerShards, ...]]:
+    """Worker lists of every slot (tests, audits, the CLI); arguments as in :func:`assign_slot`."""
+    _check_grid(num_shards, chunk_size, slots, num_workers, params, epoch)
+    order = base_order(num_shards, params, epoch)
+    return [assign_slot(num_shards, chunk_size, s, slots, num_workers, params, epoch, order)
+            for s in range(slots)]
+
+
+def assign(num_shards: int, chunk_size: int, topology: Topology,
+           params: PlanParams = DEFAULT_PARAMS, epoch: int = 0) -> WorkerShards:
+    """The list of the worker a :class:`Topology` names (its ``slot`` and ``worker_id``)."""
+    return assign_worker(num_shards, chunk_size, topology.slot, topology.slots,
+                         topology.worker_id, topology.num_workers, params, epoch)
+
+
+def shard_paths(paths: Sequence[str], worker: WorkerShards) -> list[str]:
+    """Map a worker list's indices to shard paths (e.g. ``[s.path for s in catalog.shards]``)."""
+    return [paths[i] for i in worker.shards]
