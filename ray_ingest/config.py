@@ -1,0 +1,272 @@
+"""Configuration: YAML files loaded into frozen attrs classes, validated at construction.
+
+Every error names the field (``loader.batch_size``), the expected and the actual value.
+Sections: ``data`` (what to read), ``decode`` (how samples become tensors), ``loader``
+(planning, batching, resume, error policy), ``train`` (the Ray Train job).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import fsspec
+import yaml
+
+from ray_ingest.errors import ConfigError
+
+SEED_MODES = ("epoch", "pid")
+ALIGN_MODES = ("strict", "merge", "index")
+CROP_MODES = ("center", "random")
+ON_ERROR = ("raise", "skip")
+
+
+def _tuple(value: Any) -> tuple:
+    if isinstance(value, str):
+        return tuple(v for v in value.split(",") if v)
+    return tuple(value)
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(
+                f"{_section(inst)}.{attribute.name}: expected one of {', '.join(choices)}, got {value!r}"
+            )
+
+    return check
+
+
+def _at_least(lo: float):
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
+            raise ConfigError(f"{_section(inst)}.{attribute.name}: expected a number >= {lo}, got {value!r}")
+
+    return check
+
+
+def _opt_at_least(lo: float):
+    inner = _at_least(lo)
+
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is not None:
+            inner(inst, attribute, value)
+
+    return check
+
+
+def _section(inst: Any) -> str:
+    return getattr(type(inst), "SECTION", type(inst).__name__)
+
+
+@attrs.frozen
+class DataConfig:
+    """Which twin-tar datasets to read and how to align them."""
+
+    SECTION = "data"
+    #: wdinfo.json files or folders searched for them (local, gs://, memory://).
+    paths: tuple[str, ...] = attrs.field(converter=_tuple)
+    #: Modality folders to read; the first drives alignment.
+    keys: tuple[str, ...] = attrs.field(default=("image", "caption"), converter=_tuple)
+    #: Modalities that may be absent for a sample.
+    optional_keys: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    #: Twin alignment: strict | merge | index.
+    align: str = attrs.field(default="strict", validator=_one_of(ALIGN_MODES))
+    #: Parquet key list for align=index.
+    index_path: str | None = None
+    #: fsspec storage options for remote paths (e.g. token, project).
+    storage_options: dict[str, Any] = attrs.field(factory=dict)
+
+    @paths.validator
+    def _paths(self, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+        if not value:
+            raise ConfigError("data.paths: expected at least one dataset path, got none")
+
+    @keys.validator
+    def _keys(self, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+        if not value:
+            raise ConfigError("data.keys: expected at least one modality, got none")
+
+
+@attrs.frozen
+class DecodeConfig:
+    """How raw members become arrays: image decode + resize/crop, captions, embeddings."""
+
+    SECTION = "decode"
+    #: Modality holding images (None: no image decode).
+    image_key: str | None = "image"
+    #: Modality holding JSON/text captions (None: none).
+    caption_key: str | None = "caption"
+    #: Modality holding .npy embeddings (None: none).
+    embedding_key: str | None = None
+    #: Output side for square crops; with buckets, the base side (area = resolution**2).
+    resolution: int = attrs.field(default=256, validator=_at_least(8))
+    #: Aspect-ratio buckets ("16:9", ...) — resize each shard's images to its bucket's shape.
+    buckets: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    #: center | random (random crops are seeded per sample from the run seed).
+    crop: str = attrs.field(default="center", validator=_one_of(CROP_MODES))
+    #: Allow pickle-like members (.pkl, .pickle, .pt, .pth): they execute code when loaded.
+    allow_pickle: bool = False
+    #: Largest member accepted, in bytes (bigger ones are bad input).
+    max_member_bytes: int = attrs.field(default=512 * 1024**2, validator=_at_least(1))
+    #: Pillow's decompression-bomb limit in pixels.
+    max_image_pixels: int = attrs.field(default=178_956_970, validator=_at_least(1))
+    #: Elastic decode actor pool: min..max actors.
+    pool_min: int = attrs.field(default=1, validator=_at_least(1))
+    pool_max: int = attrs.field(default=2, validator=_at_least(1))
+    #: Logical CPUs per decode actor (fractional avoids small-cluster deadlocks).
+    num_cpus: float = attrs.field(default=0.5, validator=_at_least(0.0))
+    #: Ray placement label selector for decode actors and read tasks ({"pool": "cpu-decode"}).
+    label_selector: dict[str, str] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if self.pool_max < self.pool_min:
+            raise ConfigError(
+                f"decode.pool_max: expected >= decode.pool_min ({self.pool_min}), got {self.pool_max}"
+            )
+        for b in self.buckets:
+            parts = b.replace("_", ":").split(":")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ConfigError(f"decode.buckets: expected entries like '16:9', got {b!r}")
+
+
+@attrs.frozen
+class LoaderConfig:
+    """Planning, batching, resume and error policy."""
+
+    SECTION = "loader"
+    #: Samples per batch on each rank.
+    batch_size: int = attrs.field(default=16, validator=_at_least(1))
+    #: Root seed; every random choice derives from it.
+    seed: int = attrs.field(default=0, validator=_at_least(0))
+    #: epoch (per-epoch hashlib seeds) | pid (PiD's ShardlistBasic lists bit for bit).
+    seed_mode: str = attrs.field(default="epoch", validator=_one_of(SEED_MODES))
+    #: Shuffle shard lists.
+    shuffle: bool = True
+    #: PiD's cyclic repeat of the url list to a multiple of slots*workers.
+    repeat: bool = False
+    #: Give every data-parallel slot the same number of samples per epoch (pads by wrapping).
+    equal_work: bool = True
+    #: Read streams per rank (PiD's DataLoader workers): shapes the shard lists.
+    read_workers: int = attrs.field(default=2, validator=_at_least(1))
+    #: Logical CPUs per read task.
+    read_num_cpus: float = attrs.field(default=0.25, validator=_at_least(0.0))
+    #: Rows per Arrow block produced by a read task.
+    block_rows: int = attrs.field(default=64, validator=_at_least(1))
+    #: Deterministic batch order (preserve_order). False trades determinism for throughput.
+    ordered: bool = True
+    #: Batches prefetched by the Ray iterator.
+    prefetch_batches: int = attrs.field(default=2, validator=_at_least(0))
+    #: raise | skip (bad samples are logged, counted and recorded in the read state).
+    on_error: str = attrs.field(default="raise", validator=_one_of(ON_ERROR))
+    #: Skip budgets for on_error=skip (None: unlimited).
+    max_skips_per_shard: int | None = attrs.field(default=16, validator=_opt_at_least(0))
+    max_skips_per_epoch: int | None = attrs.field(default=1000, validator=_opt_at_least(0))
+    #: Honour PiD's WDS_START_INDEX / WDS_EPOCH_NUM as a starting point (pid seed mode only).
+    pid_env: bool = False
+
+
+@attrs.frozen
+class TrainConfig:
+    """The Ray Train job (jobs/train.py)."""
+
+    SECTION = "train"
+    #: Ray Train workers (ranks).
+    num_workers: int = attrs.field(default=2, validator=_at_least(1))
+    #: Ranks per parallel group (TP*CP*PP) that must see identical data.
+    group_size: int = attrs.field(default=1, validator=_at_least(1))
+    use_gpu: bool = False
+    #: Logical CPUs per Train worker.
+    cpus_per_worker: float = attrs.field(default=0.5, validator=_at_least(0.0))
+    #: Stop after this many steps (None: run all epochs).
+    max_steps: int | None = attrs.field(default=None, validator=_opt_at_least(1))
+    epochs: int = attrs.field(default=1, validator=_at_least(1))
+    learning_rate: float = attrs.field(default=1e-3, validator=_at_least(0.0))
+    #: Report a checkpoint every N steps (and at the end).
+    checkpoint_every: int = attrs.field(default=50, validator=_at_least(1))
+    #: Log throughput and data-wait every N steps.
+    log_every: int = attrs.field(default=20, validator=_at_least(1))
+    #: RunConfig storage path (shared storage on multi-node clusters).
+    storage_path: str = "/tmp/ray_ingest_runs"
+    #: RunConfig name: re-running with the same name resumes.
+    name: str = "ray_ingest_demo"
+    #: FailureConfig.max_failures.
+    max_failures: int = attrs.field(default=1, validator=_at_least(-1))
+    #: Ray placement label selector for trainers ({"pool": "gpu-train"}).
+    label_selector: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Config:
+    data: DataConfig
+    decode: DecodeConfig = attrs.field(factory=DecodeConfig)
+    loader: LoaderConfig = attrs.field(factory=LoaderConfig)
+    train: TrainConfig = attrs.field(factory=TrainConfig)
+
+    def __attrs_post_init__(self) -> None:
+        if self.train.num_workers % self.train.group_size:
+            raise ConfigError(
+                f"train.group_size: expected a divisor of train.num_workers "
+                f"({self.train.num_workers}), got {self.train.group_size}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self, recurse=True, value_serializer=_plain)
+
+
+def _plain(inst: Any, field: Any, value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+SECTIONS: dict[str, type] = {
+    "data": DataConfig,
+    "decode": DecodeConfig,
+    "loader": LoaderConfig,
+    "train": TrainConfig,
+}
+
+
+def _build(cls: type, doc: Any, section: str) -> Any:
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{section}: expected a mapping, got {type(doc).__name__}")
+    names = {a.name for a in attrs.fields(cls)}
+    unknown = sorted(set(doc) - names)
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]}: unknown field (expected one of {', '.join(sorted(names))})")
+    try:
+        return cls(**doc)
+    except TypeError as exc:
+        raise ConfigError(f"{section}: {exc}") from None
+
+
+def config_from_dict(doc: Any, source: str = "<config>") -> Config:
+    """Build a :class:`Config` from a decoded YAML/JSON document."""
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{source}: expected a mapping at top level, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown section {unknown[0]!r} (expected {', '.join(SECTIONS)})")
+    if "data" not in doc:
+        raise ConfigError(f"{source}: missing section 'data'")
+    parts = {name: _build(cls, doc.get(name), name) for name, cls in SECTIONS.items()}
+    return Config(**parts)
+
+
+def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read a YAML config (any fsspec URL) and apply ``{"section.field": value}`` overrides."""
+    try:
+        with fsspec.open(path, "r") as f:
+            doc = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: malformed YAML ({str(exc).splitlines()[0]})") from None
+    doc = dict(doc or {})
+    for dotted, value in (overrides or {}).items():
+        section, _, field = dotted.partition(".")
+        doc.setdefault(section, {})
+        doc[section] = {**(doc[section] or {}), field: value}
+    return config_from_dict(doc, path)

@@ -1,0 +1,219 @@
+"""Decode stage: raw member bytes -> uint8 images, caption text, embedding arrays.
+
+:class:`Decoder` is the callable class run by ``map_batches`` on an elastic actor pool
+(``ActorPoolStrategy(min_size, max_size)``). It is stateless across batches, so a restarted
+actor produces exactly what the dead one would have. Formats that execute code when loaded
+(pickle, torch) are refused unless the config opts in: a tar from the internet must not be
+able to run code on the training cluster.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import warnings
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from PIL import Image
+
+from ray_ingest.augment import (
+    Geometry,
+    bucket_shape,
+    draft_for,
+    parse_bucket,
+    resize_crop,
+    sample_seed,
+)
+from ray_ingest.config import DecodeConfig
+from ray_ingest.errors import IngestError, UnsafeFormatError
+from ray_ingest.twin import ext_column
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "bmp"})
+UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
+CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
+#: Provenance columns carried through decode unchanged.
+PASSTHROUGH = ("__key__", "__shard__", "__index__", "__sid__", "__seq__", "__pad__", "__bucket__")
+ERROR = "__error__"
+ACTOR = "__actor__"
+
+
+class SampleError(Exception):
+    """One sample could not be decoded (reason text names the modality and the problem)."""
+
+
+def caption_text(data: bytes, ext: str) -> str:
+    """Caption text: JSON ``prompt``, falling back to ``prompt_medium``/``prompt_short``."""
+    if ext in ("txt", "text"):
+        return data.decode("utf-8")
+    doc = json.loads(data)
+    if isinstance(doc, str):
+        return doc
+    if isinstance(doc, dict):
+        for field in CAPTION_FIELDS:
+            value = doc.get(field)
+            if isinstance(value, str) and value:
+                return value
+    raise SampleError(f"caption has none of the fields {', '.join(CAPTION_FIELDS)}")
+
+
+def load_array(data: bytes, ext: str, allow_pickle: bool) -> np.ndarray:
+    if ext in UNSAFE_EXTS:
+        if not allow_pickle:
+            raise UnsafeFormatError(
+                f".{ext} members execute code when loaded; set decode.allow_pickle: true to opt in"
+            )
+        if ext in ("pt", "pth"):
+            import torch
+
+            return np.asarray(torch.load(io.BytesIO(data), weights_only=False))
+        return np.asarray(pickle.loads(data))  # noqa: S301 - explicit opt-in
+    if ext == "npy":
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    raise SampleError(f"unsupported embedding format .{ext}")
+
+
+class Decoder:
+    """Callable class for ``Dataset.map_batches(..., batch_format="pyarrow")``."""
+
+    def __init__(self, cfg: DecodeConfig, seed: int = 0, epoch: int = 0, on_error: str = "raise"):
+        self.cfg = cfg
+        self.seed = seed
+        self.epoch = epoch
+        self.on_error = on_error
+        self.square = Geometry(cfg.resolution, cfg.resolution, cfg.crop)
+        self.bucket_geoms = {
+            b.replace(":", "_"): Geometry(*bucket_shape(parse_bucket(b), cfg.resolution), cfg.crop)
+            for b in cfg.buckets
+        }
+        Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
+        try:
+            import ray
+
+            self.actor_id = ray.get_runtime_context().get_actor_id() or "driver"
+        except Exception:  # outside Ray (tests, cat)
+            self.actor_id = "local"
+
+    def geometry(self, bucket: str) -> Geometry:
+        if self.bucket_geoms:
+            geom = self.bucket_geoms.get(bucket)
+            if geom is None:
+                # A shard outside the configured buckets: fall back to the first bucket's shape.
+                geom = next(iter(self.bucket_geoms.values()))
+            return geom
+        return self.square
+
+    def _image(self, data: bytes, ext: str, geom: Geometry, rng_seed: int) -> np.ndarray:
+        if ext not in IMAGE_EXTS:
+            if ext in UNSAFE_EXTS and not self.cfg.allow_pickle:
+                raise UnsafeFormatError(
+                    f".{ext} members execute code when loaded; set decode.allow_pickle: true to opt in"
+                )
+            raise SampleError(f"unsupported image format .{ext}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            draft_for(img, geom)
+            img.load()
+        return resize_crop(img, geom, rng_seed)
+
+    def decode_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        cfg = self.cfg
+        out: dict[str, Any] = {}
+        for modality in (cfg.image_key, cfg.caption_key, cfg.embedding_key):
+            if modality is None:
+                continue
+            data = row.get(modality)
+            if data is not None and len(data) > cfg.max_member_bytes:
+                raise SampleError(
+                    f"{modality}: member of {len(data)} bytes exceeds decode.max_member_bytes "
+                    f"({cfg.max_member_bytes})"
+                )
+        if cfg.image_key is not None:
+            data = row[cfg.image_key]
+            if data is None:
+                raise SampleError(f"{cfg.image_key}: missing member")
+            geom = self.geometry(row.get("__bucket__") or "")
+            seed = sample_seed(self.seed, self.epoch, row["__sid__"], row["__index__"])
+            out[cfg.image_key] = self._image(data, row[ext_column(cfg.image_key)], geom, seed)
+        if cfg.caption_key is not None:
+            data = row[cfg.caption_key]
+            out[cfg.caption_key] = "" if data is None else caption_text(
+                data, row[ext_column(cfg.caption_key)])
+        if cfg.embedding_key is not None:
+            data = row.get(cfg.embedding_key)
+            out[cfg.embedding_key] = None if data is None else load_array(
+                data, row[ext_column(cfg.embedding_key)], cfg.allow_pickle)
+        return out
+
+    def placeholder(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Output of a skipped sample: right shapes, zero content, never delivered to training."""
+        cfg = self.cfg
+        out: dict[str, Any] = {}
+        if cfg.image_key is not None:
+            geom = self.geometry(row.get("__bucket__") or "")
+            out[cfg.image_key] = np.zeros((geom.height, geom.width, 3), np.uint8)
+        if cfg.caption_key is not None:
+            out[cfg.caption_key] = ""
+        if cfg.embedding_key is not None:
+            out[cfg.embedding_key] = None
+        return out
+
+    def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
+        rows = batch.to_pylist()
+        decoded: list[dict[str, Any]] = []
+        errors: list[str] = []
+        for row in rows:
+            if row.get(ERROR):  # the read task already gave up on this sample
+                decoded.append(self.placeholder(row))
+                errors.append(row[ERROR])
+                continue
+            try:
+                decoded.append(self.decode_row(row))
+                errors.append("")
+            except (SampleError, UnsafeFormatError, OSError, ValueError, SyntaxError,
+                    Image.DecompressionBombError, Image.DecompressionBombWarning,
+                    UnicodeDecodeError) as exc:
+                reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+                where = (f"shard {row.get('__shard__')} key {row.get('__key__')} "
+                         f"index {row.get('__index__')}")
+                if self.on_error == "raise":
+                    raise IngestError(f"{where}: cannot decode: {reason}") from None
+                log.warning("skip %s: %s", where, reason)
+                decoded.append(self.placeholder(row))
+                errors.append(reason)
+        return self.assemble(rows, decoded, errors)
+
+    def assemble(self, rows: list[dict[str, Any]], decoded: list[dict[str, Any]],
+                 errors: list[str]) -> dict[str, np.ndarray]:
+        cfg = self.cfg
+        n = len(rows)
+        out: dict[str, np.ndarray] = {}
+        for col in PASSTHROUGH:
+            if rows and col in rows[0]:
+                values = [r[col] for r in rows]
+                out[col] = np.array(values, dtype=object if isinstance(values[0], str) else None)
+        if cfg.image_key is not None:
+            images = [d[cfg.image_key] for d in decoded]
+            shapes = {im.shape for im in images}
+            if len(shapes) <= 1:
+                out[cfg.image_key] = (np.stack(images) if images
+                                      else np.zeros((0, 1, 1, 3), np.uint8))
+            else:
+                arr = np.empty(n, dtype=object)
+                arr[:] = images
+                out[cfg.image_key] = arr
+        if cfg.caption_key is not None:
+            out[cfg.caption_key] = np.array([d[cfg.caption_key] for d in decoded], dtype=object)
+        if cfg.embedding_key is not None:
+            arr = np.empty(n, dtype=object)
+            arr[:] = [d[cfg.embedding_key] for d in decoded]
+            out[cfg.embedding_key] = arr
+        out[ERROR] = np.array(errors, dtype=object)
+        out[ACTOR] = np.array([self.actor_id] * n, dtype=object)
+        return out

@@ -1,0 +1,439 @@
+"""Per-rank stream into Ray Train: plan -> read tasks -> decode actors -> torch batches.
+
+Inside ``train_loop_per_worker`` every rank builds its own Ray Data pipeline for the stream its
+data-parallel slot is planned to read (ray_notes §6–§7: per-rank datasets, ``preserve_order``
+for determinism, a custom batcher because the default collate fails on strings). Ranks of one
+parallel group therefore see identical batches in identical order.
+
+The loader records what the trainer *consumed* (stream positions of delivered batches plus
+samples skipped under ``on_error=skip``), never what was prefetched; :meth:`IngestLoader.save`
+writes it into the checkpoint directory under a per-rank file name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ray_ingest.catalog import Catalog, load_catalog
+from ray_ingest.config import Config
+from ray_ingest.errors import SkipBudgetExceeded, StateError
+from ray_ingest.plan.assign import PlanParams
+from ray_ingest.plan.slices import ShardSlice
+from ray_ingest.plan.state import (
+    ReadState,
+    Ranges,
+    add_positions,
+    generation_streams,
+    initial_state,
+    merge_slot_states,
+    next_epoch,
+    slot_stream,
+    subtract,
+    with_progress,
+    with_topology,
+)
+from ray_ingest.plan.topology import Topology
+from ray_ingest.reader import ReadOptions
+from ray_ingest.source import ReadItem
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = "ingest_state"
+
+
+def state_file(rank: int) -> str:
+    """Per-rank file name: Ray Train merges all ranks' checkpoint folders into one."""
+    return os.path.join(STATE_DIR, f"rank_{rank:05d}.json")
+
+
+def plan_params(cfg: Config, start_index: int = 0) -> PlanParams:
+    lc = cfg.loader
+    return PlanParams(seed=lc.seed, seed_mode=lc.seed_mode, shuffle=lc.shuffle, repeat=lc.repeat,
+                      equal_work=lc.equal_work, start_index=start_index)
+
+
+def read_options(cfg: Config) -> ReadOptions:
+    dc = cfg.data
+    return ReadOptions(align=dc.align, optional=dc.optional_keys, index_path=dc.index_path,
+                       storage_options=dict(dc.storage_options))
+
+
+def read_items(stream: Sequence[ShardSlice], consumed: Ranges) -> list[ReadItem]:
+    """Unconsumed parts of a slot stream as read tasks (stream positions kept)."""
+    return [ReadItem(seq, sl.shard, sl.start, sl.count, sl.pad)
+            for seq, sl in subtract(stream, consumed)]
+
+
+def bucket_of_shards(catalog: Catalog, buckets: Sequence[str]) -> list[str]:
+    """Batch group of each shard: its aspect bucket when bucketing, else one group."""
+    if not buckets:
+        return ["" for _ in catalog.shards]
+    return [s.bucket or "" for s in catalog.shards]
+
+
+def expected_batches(streams: Sequence[Sequence[ShardSlice]], shard_bucket: Sequence[str],
+                     batch_size: int) -> int:
+    """Batches every rank delivers in a generation: the most any slot needs (others pad)."""
+    best = 0
+    for stream in streams:
+        per: dict[str, int] = {}
+        for sl in stream:
+            b = shard_bucket[sl.shard]
+            per[b] = per.get(b, 0) + sl.count
+        best = max(best, sum(math.ceil(n / batch_size) for n in per.values()))
+    return best
+
+
+@attrs.define
+class Batch:
+    """One training batch: tensors (on the device) plus per-sample provenance."""
+
+    data: dict[str, Any]
+    keys: list[str]
+    captions: list[str] | None
+    sids: list[int]
+    indices: list[int]
+    pads: list[bool]
+    bucket: str
+    epoch: int
+    #: Batch number within the epoch (0-based), identical on every rank.
+    step_in_epoch: int
+
+    def __getitem__(self, name: str) -> Any:
+        return self.data[name]
+
+
+@attrs.define
+class StageClock:
+    """Wall time per stage seen by the train loop (seconds)."""
+
+    wait: float = 0.0  # blocked on the Ray iterator (read+align+decode not ready)
+    assemble: float = 0.0  # batching rows on the trainer
+    transfer: float = 0.0  # host -> device
+    batches: int = 0
+    samples: int = 0
+
+    def to_dict(self) -> dict[str, float]:
+        return attrs.asdict(self)
+
+
+class IngestLoader:
+    """The rank's loader. One per ``train_loop_per_worker``.
+
+    Args:
+        cfg: the run configuration.
+        topology: this rank's topology (``detect_topology()`` inside Ray Train).
+        catalog: parsed once on the driver and passed in (PiD's rank-0 parse-and-broadcast);
+            loaded from ``cfg.data.paths`` when None.
+        state: a restored read state (None: start at epoch 0).
+        device: torch device for tensors (None: leave on CPU as numpy -> torch).
+    """
+
+    def __init__(self, cfg: Config, topology: Topology, catalog: Catalog | None = None,
+                 state: ReadState | None = None, device: Any = None, start_index: int = 0,
+                 start_epoch: int = 0):
+        self.cfg = cfg
+        self.topology = topology
+        self.catalog = catalog or load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
+                                               storage_options=cfg.data.storage_options)
+        self.counts = self.catalog.counts
+        self.params = plan_params(cfg, start_index)
+        self.device = device
+        if state is None:
+            state = initial_state(self.catalog.fingerprint, self.params, start_epoch, topology,
+                                  self.catalog.fingerprint_doc())
+        else:
+            state.check_compatible(self.catalog.fingerprint, self.params,
+                                   self.catalog.describe_change)
+            state = with_topology(state, topology)
+        self.state = state
+        self.clock = StageClock()
+        self.data_stats: list[str] = []
+        self.actors_seen: set[str] = set()
+        self.shard_bucket = bucket_of_shards(self.catalog, cfg.decode.buckets)
+
+    # --- checkpoints ---------------------------------------------------------------------
+    @classmethod
+    def restore_state(cls, checkpoint_dir: str | None) -> ReadState | None:
+        """Merge the per-rank state files of a checkpoint (None when there is none)."""
+        if not checkpoint_dir:
+            return None
+        folder = os.path.join(checkpoint_dir, STATE_DIR)
+        if not os.path.isdir(folder):
+            return None
+        states = []
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".json"):
+                with open(os.path.join(folder, name)) as f:
+                    try:
+                        states.append(ReadState.from_dict(json.load(f)))
+                    except json.JSONDecodeError as exc:
+                        raise StateError(f"{folder}/{name}: malformed JSON ({exc})") from None
+        return merge_slot_states(states) if states else None
+
+    def save(self, checkpoint_dir: str) -> str:
+        """Write this rank's state file into a checkpoint folder; returns its path."""
+        path = os.path.join(checkpoint_dir, state_file(self.topology.rank))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.state.to_dict(), f, separators=(",", ":"))
+        return path
+
+    # --- iteration -----------------------------------------------------------------------
+    def epochs(self, num_epochs: int) -> Iterator[tuple[int, Iterator[Batch]]]:
+        """Yield ``(epoch, batches)`` from the saved epoch up to ``num_epochs`` (exclusive)."""
+        while self.state.epoch < num_epochs:
+            epoch = self.state.epoch
+            yield epoch, self._epoch_batches()
+            if self.state.epoch == epoch:  # the caller stopped early (max_steps): keep position
+                return
+
+    def _pipeline(self, items: list[ReadItem]):
+        import ray
+        from ray.data import ActorPoolStrategy
+
+        from ray_ingest.decode import Decoder
+        from ray_ingest.source import TwinTarDatasource
+
+        cfg = self.cfg
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = cfg.loader.ordered
+        ctx.enable_progress_bars = False
+        ctx.execution_options.verbose_progress = False
+        ctx.max_errored_blocks = 0  # never drop data silently
+        read_kw: dict[str, Any] = {}
+        map_kw: dict[str, Any] = {}
+        if cfg.decode.label_selector:
+            read_kw["label_selector"] = dict(cfg.decode.label_selector)
+            map_kw["label_selector"] = dict(cfg.decode.label_selector)
+        source = TwinTarDatasource(self.catalog.shards, items, read_options(cfg),
+                                   block_rows=cfg.loader.block_rows, on_error=cfg.loader.on_error)
+        ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
+                                      override_num_blocks=max(1, len(items)), **read_kw)
+        ds = ds.map_batches(
+            Decoder,
+            fn_constructor_kwargs={"cfg": cfg.decode, "seed": cfg.loader.seed,
+                                   "epoch": self.state.epoch, "on_error": cfg.loader.on_error},
+            compute=ActorPoolStrategy(min_size=cfg.decode.pool_min, max_size=cfg.decode.pool_max),
+            num_cpus=cfg.decode.num_cpus,
+            batch_size=None,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            udf_modifying_row_count=False,
+            **map_kw,
+        )
+        return ds
+
+    def _epoch_batches(self) -> Iterator[Batch]:
+        cfg = self.cfg
+        topo = self.topology
+        slot = topo.slot
+        state = self.state
+        bsz = cfg.loader.batch_size
+        gen = state.current
+        if len(state.generations) == 1:
+            if cfg.decode.buckets:
+                from ray_ingest.plan.slices import plan_epoch
+
+                streams = plan_epoch(self.counts, self.catalog.chunk_size, gen.slots,
+                                     gen.num_workers, state.params(), state.epoch)
+                stream = streams[slot]
+            else:
+                stream = slot_stream(state, self.counts, self.catalog.chunk_size, slot)
+                streams = [stream]  # equal work: every slot has this many samples
+        else:
+            streams = generation_streams(state, self.counts, self.catalog.chunk_size)
+            stream = streams[slot]
+        total_batches = expected_batches(streams, self.shard_bucket, bsz)
+        if not cfg.loader.equal_work and not cfg.decode.buckets:
+            total_batches = math.ceil(sum(sl.count for sl in stream) / bsz)
+        consumed = gen.consumed[slot]
+        done_batches = gen.batches[slot]
+        items = read_items(stream, consumed)
+        log.info("rank %d slot %d epoch %d: %d read tasks, %d/%d batches done",
+                 topo.rank, slot, state.epoch, len(items), done_batches, total_batches)
+        skips_epoch = len(state.skips)
+        skips_shard: dict[int, int] = {}
+        for sid, _, _ in state.skips:
+            skips_shard[sid] = skips_shard.get(sid, 0) + 1
+        new_skips: list[tuple[int, int, str]] = []
+        pending: list[int] = []  # stream positions consumed by the next delivered batch
+        buckets: dict[str, list[dict[str, np.ndarray]]] = {}
+        bucket_rows: dict[str, int] = {}
+        reservoir: list[tuple[str, dict[str, np.ndarray]]] = []
+        step = done_batches
+        image_key = cfg.decode.image_key
+
+        def deliver(rows_parts: list[dict[str, np.ndarray]], bucket: str) -> Batch:
+            nonlocal consumed, step
+            t0 = time.perf_counter()
+            cols = {k: np.concatenate([p[k] for p in rows_parts]) for k in rows_parts[0]}
+            t1 = time.perf_counter()
+            batch = self._to_batch(cols, bucket, step)
+            t2 = time.perf_counter()
+            self.clock.assemble += t1 - t0
+            self.clock.transfer += t2 - t1
+            seqs = [int(s) for s in cols["__seq__"] if s >= 0] + pending
+            pending.clear()
+            consumed = add_positions(consumed, seqs)
+            step += 1
+            self.state = with_progress(self.state, slot, consumed, step, new_skips)
+            self.clock.batches += 1
+            self.clock.samples += len(batch.keys)
+            return batch
+
+        def take(parts: list[dict[str, np.ndarray]], n: int) -> tuple[list, list]:
+            out, rest, need = [], [], n
+            for p in parts:
+                m = len(p["__seq__"])
+                if need >= m:
+                    out.append(p)
+                    need -= m
+                elif need > 0:
+                    out.append({k: v[:need] for k, v in p.items()})
+                    rest.append({k: v[need:] for k, v in p.items()})
+                    need = 0
+                else:
+                    rest.append(p)
+            return out, rest
+
+        if step < total_batches and items:
+            ds = self._pipeline(items)
+            it = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
+                                      prefetch_batches=cfg.loader.prefetch_batches))
+            while True:
+                t0 = time.perf_counter()
+                block = next(it, None)
+                self.clock.wait += time.perf_counter() - t0
+                if block is None:
+                    break
+                if "__actor__" in block and len(block["__actor__"]):
+                    self.actors_seen.update(set(block["__actor__"].tolist()))
+                errors = block["__error__"]
+                bad = np.flatnonzero(errors != "") if len(errors) else np.array([], int)
+                if bad.size:
+                    for i in bad:
+                        sid, idx = int(block["__sid__"][i]), int(block["__index__"][i])
+                        new_skips.append((sid, idx, str(errors[i])))
+                        pending.append(int(block["__seq__"][i]))
+                        skips_epoch += 1
+                        skips_shard[sid] = skips_shard.get(sid, 0) + 1
+                        self._check_budget(sid, skips_shard[sid], skips_epoch, str(errors[i]))
+                    good = np.flatnonzero(errors == "")
+                    block = {k: v[good] for k, v in block.items()}
+                if not len(block["__seq__"]):
+                    continue
+                block.pop("__actor__", None)
+                block.pop("__error__", None)
+                groups = self._split_groups(block)
+                for bucket, part in groups:
+                    if all(b != bucket for b, _ in reservoir):
+                        reservoir.append((bucket, {k: v[:bsz].copy() for k, v in part.items()}))
+                    buckets.setdefault(bucket, []).append(part)
+                    bucket_rows[bucket] = bucket_rows.get(bucket, 0) + len(part["__seq__"])
+                    while bucket_rows[bucket] >= bsz and step < total_batches:
+                        out, rest = take(buckets[bucket], bsz)
+                        buckets[bucket] = rest
+                        bucket_rows[bucket] -= bsz
+                        yield deliver(out, bucket)
+            # partial batches, in bucket order of first appearance, padded to full size
+            for bucket, parts in buckets.items():
+                if bucket_rows.get(bucket, 0) and step < total_batches:
+                    yield deliver(self._pad(parts, bucket_rows[bucket], bsz, bucket, reservoir),
+                                  bucket)
+        while step < total_batches:  # rows lost to skips or alignment: pad batches
+            if not reservoir:
+                log.warning("rank %d: no sample to pad with; epoch %d ends after %d batches",
+                            topo.rank, state.epoch, step)
+                break
+            bucket = reservoir[0][0]
+            yield deliver(self._pad([], 0, bsz, bucket, reservoir), bucket)
+        self.state = next_epoch(self.state, topo)
+
+    def _check_budget(self, sid: int, in_shard: int, in_epoch: int, reason: str) -> None:
+        lc = self.cfg.loader
+        shard = self.catalog.shards[sid].path
+        if lc.max_skips_per_shard is not None and in_shard > lc.max_skips_per_shard:
+            raise SkipBudgetExceeded(
+                f"shard {shard}: {in_shard} samples skipped, over loader.max_skips_per_shard "
+                f"({lc.max_skips_per_shard}); last: {reason}")
+        if lc.max_skips_per_epoch is not None and in_epoch > lc.max_skips_per_epoch:
+            raise SkipBudgetExceeded(
+                f"epoch {self.state.epoch}: {in_epoch} samples skipped, over "
+                f"loader.max_skips_per_epoch ({lc.max_skips_per_epoch}); last: {reason} "
+                f"(shard {shard})")
+
+    def _split_groups(self, block: dict[str, np.ndarray]) -> list[tuple[str, dict[str, np.ndarray]]]:
+        if not self.cfg.decode.buckets:
+            return [("", block)]
+        labels = block["__bucket__"]
+        out = []
+        for b in dict.fromkeys(labels.tolist()):
+            idx = np.flatnonzero(labels == b)
+            out.append((b, {k: v[idx] for k, v in block.items()}))
+        return out
+
+    @staticmethod
+    def _pad(parts: list[dict[str, np.ndarray]], have: int, bsz: int, bucket: str,
+             reservoir: list[tuple[str, dict[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
+        """Fill a partial batch with marked duplicates of the epoch's first rows."""
+        parts = list(parts)
+        need = bsz - have
+        src = next((rows for b, rows in reservoir if b == bucket), reservoir[0][1])
+        while need > 0:
+            n = min(need, len(src["__seq__"]))
+            pad = {k: v[:n].copy() for k, v in src.items()}
+            pad["__seq__"] = np.full(n, -1, dtype=np.int64)  # not a consumption
+            pad["__pad__"] = np.ones(n, dtype=bool)
+            parts.append(pad)
+            need -= n
+        return parts
+
+    def _to_batch(self, cols: dict[str, np.ndarray], bucket: str, step: int) -> Batch:
+        cfg = self.cfg.decode
+        data: dict[str, Any] = {}
+        tensor_keys = [k for k in (cfg.image_key,) if k is not None]
+        if cfg.embedding_key is not None and cols.get(cfg.embedding_key) is not None:
+            emb = cols[cfg.embedding_key]
+            if emb.dtype != object:
+                tensor_keys.append(cfg.embedding_key)
+            else:
+                data[cfg.embedding_key] = list(emb)
+        import torch
+
+        for k in tensor_keys:
+            arr = cols[k]
+            if arr.dtype == object:
+                arr = np.stack(list(arr))
+            t = torch.from_numpy(np.ascontiguousarray(arr))
+            if self.device is not None and getattr(self.device, "type", str(self.device)) != "cpu":
+                t = t.pin_memory().to(self.device, non_blocking=True)
+            data[k] = t
+        captions = None
+        if cfg.caption_key is not None and cfg.caption_key in cols:
+            captions = [str(c) for c in cols[cfg.caption_key]]
+        return Batch(
+            data=data,
+            keys=[str(k) for k in cols["__key__"]],
+            captions=captions,
+            sids=[int(s) for s in cols["__sid__"]],
+            indices=[int(i) for i in cols["__index__"]],
+            pads=[bool(p) for p in cols["__pad__"]],
+            bucket=bucket,
+            epoch=self.state.epoch,
+            step_in_epoch=step,
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        """Stage timings and counters collected so far (see docs/observability)."""
+        return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
+                "skips_in_epoch": len(self.state.skips)}
