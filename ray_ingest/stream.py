@@ -29,8 +29,8 @@ from ray_ingest.errors import SkipBudgetExceeded, StateError
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.slices import ShardSlice
 from ray_ingest.plan.state import (
-    ReadState,
     Ranges,
+    ReadState,
     add_positions,
     generation_streams,
     initial_state,
@@ -107,6 +107,8 @@ class Batch:
     epoch: int
     #: Batch number within the epoch (0-based), identical on every rank.
     step_in_epoch: int
+    #: Samples skipped (on_error=skip) and accounted with this batch: (shard id, index, reason).
+    skipped: list[tuple[int, int, str]] = attrs.field(factory=list)
 
     def __getitem__(self, name: str) -> Any:
         return self.data[name]
@@ -267,11 +269,11 @@ class IngestLoader:
             skips_shard[sid] = skips_shard.get(sid, 0) + 1
         new_skips: list[tuple[int, int, str]] = []
         pending: list[int] = []  # stream positions consumed by the next delivered batch
+        reported_skips = [0]
         buckets: dict[str, list[dict[str, np.ndarray]]] = {}
         bucket_rows: dict[str, int] = {}
         reservoir: list[tuple[str, dict[str, np.ndarray]]] = []
         step = done_batches
-        image_key = cfg.decode.image_key
 
         def deliver(rows_parts: list[dict[str, np.ndarray]], bucket: str) -> Batch:
             nonlocal consumed, step
@@ -284,6 +286,8 @@ class IngestLoader:
             self.clock.transfer += t2 - t1
             seqs = [int(s) for s in cols["__seq__"] if s >= 0] + pending
             pending.clear()
+            batch.skipped = new_skips[reported_skips[0]:]
+            reported_skips[0] = len(new_skips)
             consumed = add_positions(consumed, seqs)
             step += 1
             self.state = with_progress(self.state, slot, consumed, step, new_skips)
