@@ -1,0 +1,42 @@
+"""``ray-ingest cat``: samples as JSON lines (:func:`ray_ingest.inspect.iter_records`)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ray_ingest.errors import IngestError
+from ray_ingest.inspect import iter_records
+from ray_ingest.twin import ALIGN_MODES, AlignStats
+
+
+def _csv(text: str | None) -> list[str] | None:
+    return [p.strip() for p in text.split(",") if p.strip()] if text else None
+
+
+@click.command("cat")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--keys", default=None,
+              help="Comma-separated modalities (default: data_keys); the first drives.")
+@click.option("--align", type=click.Choice(ALIGN_MODES), default="strict", show_default=True)
+@click.option("--index", "index_path", default=None,
+              help="Parquet key list (first column; optional 'shard' column) for --align index.")
+@click.option("--optional", default=None,
+              help="Comma-separated modalities that may lack a sample or a tar.")
+@click.option("--limit", type=int, default=None, help="Stop after N samples.")
+def command(paths: tuple[str, ...], keys: str | None, align: str, index_path: str | None,
+            optional: str | None, limit: int | None) -> None:
+    """One JSON line per sample of PATH... (wdinfo.json files or folders searched for them):
+    {"key", "shard", "index", "<modality>": {"ext", "bytes", "sha1"}}."""
+    if align == "index" and index_path is None:
+        raise IngestError("--index: --align index needs a parquet key list, got none")
+    stats = AlignStats()
+    try:
+        for rec in iter_records(list(paths), _csv(keys), align=align, index_path=index_path,
+                                optional=_csv(optional) or (), limit=limit, stats=stats):
+            click.echo(json.dumps(rec))
+    except OSError as exc:
+        raise IngestError(f"read failed: {exc}") from None
+    if align != "strict":
+        click.echo(f"ray-ingest cat: {align} stats: {json.dumps(stats.to_dict())}", err=True)
