@@ -182,7 +182,7 @@ def test_balance_properties(inp, slots):
     tail = flat[size:]
     assert all(pad for _, _, pad in tail)
     wrap = [(s, i) for s, i, _ in samples(inp)]
-    assert [(s, i) for s, i, _ in tail] == wrap[: len(tail)]
+    assert [(s, i) for s, i, _ in tail] == list(itertools.islice(itertools.cycle(wrap), len(tail)))
     assert len(tail) < max(slots, 1)
 
 
@@ -205,3 +205,17 @@ def test_plan_epoch_properties(counts, slots, workers, seed, epoch, mode, repeat
     assert set(real.values()) <= {1}
     # Ranks of one group share the slot plan; a new call reproduces it exactly.
     assert plans == plan_epoch(np.asarray(counts), 3, slots, workers, params, epoch)
+
+
+@pytest.mark.parametrize("mode", ["epoch", "pid"])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("repeat", [False, True])
+@pytest.mark.parametrize("start_index", [0, 5, 12, 40])
+def test_slot_totals_match_worker_lists(mode, shuffle, repeat, start_index):
+    params = PlanParams(seed=8, seed_mode=mode, shuffle=shuffle, repeat=repeat,
+                        start_index=start_index)
+    for slots, workers in ((1, 1), (2, 2), (3, 1), (4, 3)):
+        got = slot_totals(COUNTS, 2, slots, workers, params, 1).tolist()
+        want = [sum(COUNTS[s] for w in assign_slot(len(COUNTS), 2, slot, slots, workers, params, 1)
+                    for s in w.shards) for slot in range(slots)]
+        assert got == want

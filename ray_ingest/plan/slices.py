@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import random
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -26,6 +27,7 @@ from ray_ingest.plan.assign import (
     base_order,
     extended_length,
     skip_count,
+    worker_seed,
 )
 from ray_ingest.plan.topology import check_int
 
@@ -154,8 +156,9 @@ def slot_totals(
     """Samples per slot in an epoch before equal-work padding (int64, length ``slots``).
 
     Extended position ``p`` belongs to slot ``p % slots``, so without a start-index skip this
-    is one vectorized pass over the (virtual) extended list. With a skip the dropped entries
-    depend on every worker's shuffle, so each worker list is built (slower, still exact).
+    is one vectorized pass over the (virtual) extended list. With a start-index skip the
+    dropped heads depend on every worker's shuffle, which is replayed for every worker of
+    every slot (O(slots * workers) Python work: slower, still exact).
     """
     arr = _counts_array(counts)
     n = arr.size
@@ -163,18 +166,31 @@ def slot_totals(
     check_int("num_workers", num_workers, 1)
     if order is None:
         order = base_order(n, params, epoch)
-    if skip_count(params.start_index, chunk_size, num_workers):
-        out = np.zeros(slots, dtype=np.int64)
-        for s in range(slots):
-            for w in assign_slot(n, chunk_size, s, slots, num_workers, params, epoch, order):
-                out[s] += int(arr[list(w.shards)].sum()) if w.shards else 0
-        return out
+    skip = skip_count(params.start_index, chunk_size, num_workers)
     ordered = arr if order is None else arr[order]
     ext = np.resize(ordered, extended_length(n, slots, num_workers, params.repeat))
     rows = -(-ext.size // slots)
     full = np.zeros(rows * slots, dtype=np.int64)
     full[: ext.size] = ext
-    return full.reshape(rows, slots).sum(axis=0)
+    totals = full.reshape(rows, slots).sum(axis=0)
+    if skip and ext.size:
+        # The skipped head of each worker list depends on that worker's shuffle: replay the
+        # same shuffle of positions as assign._worker and subtract what it drops.
+        stride = slots * num_workers
+        dropped: list[int] = []
+        for slot in range(slots):
+            for w in range(num_workers):
+                first = slot + slots * w
+                length = max(0, -(-(ext.size - first) // stride))
+                perm = list(range(length))
+                if params.shuffle and length > 1:
+                    seed = worker_seed(params.seed_mode, params.seed, epoch, slot, w,
+                                       num_workers)
+                    random.Random(seed).shuffle(perm)
+                dropped.extend(first + stride * j for j in perm[:skip])
+        pos = np.asarray(dropped, dtype=np.int64)
+        np.subtract.at(totals, pos % slots, ext[pos])
+    return totals
 
 
 def _plan_slot(arr: np.ndarray, chunk_size: int, slot: int, slots: int, num_workers: int,
