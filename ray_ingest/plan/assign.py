@@ -32,7 +32,6 @@ from ray_ingest.plan.topology import Topology, check_int
 #: Valid ``seed_mode`` values: ``epoch`` (default, reshuffles per epoch) and ``pid`` (bit-exact).
 SEED_MODES = ("epoch", "pid")
 
-_MASK64 = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
