@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import pickle
+import time
 import warnings
 from typing import Any
 
@@ -38,7 +39,9 @@ IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp"
 UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
 CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
 #: Provenance columns carried through decode unchanged.
-PASSTHROUGH = ("__key__", "__shard__", "__index__", "__sid__", "__seq__", "__pad__", "__bucket__")
+PASSTHROUGH = ("__key__", "__shard__", "__index__", "__sid__", "__seq__", "__pad__", "__bucket__",
+               "__t_read__")
+DECODE_TIME = "__t_decode__"
 ERROR = "__error__"
 ACTOR = "__actor__"
 
@@ -165,6 +168,7 @@ class Decoder:
         return out
 
     def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
+        t0 = time.perf_counter()
         rows = batch.to_pylist()
         decoded: list[dict[str, Any]] = []
         errors: list[str] = []
@@ -187,7 +191,9 @@ class Decoder:
                 log.warning("skip %s: %s", where, reason)
                 decoded.append(self.placeholder(row))
                 errors.append(reason)
-        return self.assemble(rows, decoded, errors)
+        out = self.assemble(rows, decoded, errors)
+        out[DECODE_TIME] = np.full(len(rows), (time.perf_counter() - t0) / max(len(rows), 1))
+        return out
 
     def assemble(self, rows: list[dict[str, Any]], decoded: list[dict[str, Any]],
                  errors: list[str]) -> dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ extension column per modality.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -55,6 +56,7 @@ def _schema(modalities: Sequence[str]) -> pa.Schema:
         pa.field("__pad__", pa.bool_()),
         pa.field("__bucket__", pa.string()),
         pa.field("__error__", pa.string()),
+        pa.field("__t_read__", pa.float64()),
     ]
     for m in modalities:
         fields.append(pa.field(m, pa.binary()))
@@ -75,7 +77,11 @@ def read_item(
     cols: dict[str, list[Any]] = {n: [] for n in names}
     bucket = shard.bucket or ""
 
+    clock = [time.perf_counter()]
+
     def flush() -> pa.Table:
+        n = len(cols[KEY])
+        cols["__t_read__"].extend([(time.perf_counter() - clock[0]) / max(n, 1)] * n)
         table = pa.table({n: pa.array(cols[n], type=schema.field(n).type) for n in names},
                          schema=schema)
         for n in names:
@@ -103,6 +109,7 @@ def read_item(
             next_index = row[INDEX] + 1
             if len(cols[KEY]) >= block_rows:
                 yield flush()
+                clock[0] = time.perf_counter()
     except (IngestError, OSError) as exc:
         if on_error != "skip":
             if isinstance(exc, IngestError):

@@ -120,7 +120,10 @@ class StageClock:
 
     wait: float = 0.0  # blocked on the Ray iterator (read+align+decode not ready)
     assemble: float = 0.0  # batching rows on the trainer
-    transfer: float = 0.0  # host -> device
+    transfer: float = 0.0  # host -> device (tensor creation, pinning, copy)
+    compute: float = 0.0  # the caller's own step time (set by the train loop)
+    read: float = 0.0  # read+align seconds spent by read tasks (parallel, other processes)
+    decode: float = 0.0  # decode seconds spent by decode actors (parallel, other processes)
     batches: int = 0
     samples: int = 0
 
@@ -338,6 +341,8 @@ class IngestLoader:
                     continue
                 block.pop("__actor__", None)
                 block.pop("__error__", None)
+                self.clock.read += float(block.pop("__t_read__").sum())
+                self.clock.decode += float(block.pop("__t_decode__").sum())
                 groups = self._split_groups(block)
                 for bucket, part in groups:
                     if all(b != bucket for b, _ in reservoir):
@@ -436,6 +441,23 @@ class IngestLoader:
             epoch=self.state.epoch,
             step_in_epoch=step,
         )
+
+    def stage_breakdown(self, elapsed: float) -> dict[str, float]:
+        """Fractions of ``elapsed`` train-loop time per stage; ``other`` is the unattributed rest.
+
+        ``read_cpu_s``/``decode_cpu_s`` are seconds spent upstream by read tasks and decode
+        actors in parallel: a high data-wait with high decode seconds means "add decoders".
+        """
+        c = self.clock
+        if elapsed <= 0:
+            return {}
+        parts = {"data_wait": c.wait, "assemble": c.assemble, "transfer": c.transfer,
+                 "compute": c.compute}
+        out = {k: round(v / elapsed, 4) for k, v in parts.items()}
+        out["other"] = round(max(0.0, 1.0 - sum(out.values())), 4)
+        out["read_cpu_s"] = round(c.read, 3)
+        out["decode_cpu_s"] = round(c.decode, 3)
+        return out
 
     def metrics(self) -> dict[str, Any]:
         """Stage timings and counters collected so far (see docs/observability)."""
