@@ -12,6 +12,7 @@ No Ray, no torch.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
@@ -90,11 +91,26 @@ def _read_index(url: str, storage_options: dict[str, Any]) -> TarIndex | None:
         return None  # a broken index only costs speed: fall back to streaming
 
 
+def _size(f: BinaryIO) -> int | None:
+    """Byte size of a seekable file (None when unknown); leaves the position unchanged."""
+    try:
+        if not f.seekable():
+            return None
+        here = f.tell()
+        end = f.seek(0, io.SEEK_END)
+        f.seek(here)
+        return end
+    except (OSError, ValueError):
+        return None
+
+
 def _position(f: BinaryIO, url: str, start: int, opts: ReadOptions) -> tuple[int, list[str]]:
     """Move ``f`` to named member ``start``; return (byte offset, keys passed over)."""
     if start <= 0:
         return 0, []
     idx = _read_index(url, opts.storage_options) if opts.use_index else None
+    if idx is not None and idx.tar_size >= 0 and idx.tar_size != _size(f):
+        idx = None  # stale index (the tar was rewritten): stream instead
     if idx is not None:
         named = [i for i, k in enumerate(idx.keys) if k is not None]
         if start < len(named):
@@ -142,9 +158,16 @@ def read_shard(
                 f = stack.enter_context(remote.open_url(url, opts.storage_options))
             except FileNotFoundError:
                 if m in opts.optional and m != driver:
+                    streams[m] = iter(())  # absent tar: the column stays, every value None
                     continue
                 raise IngestError(f"shard {shard.path}: missing {m} tar {url}") from None
             offset = 0
+            if opts.align == "strict" and m != driver and m in opts.optional:
+                # An optional modality may lack samples, so member ``start`` is not sample
+                # ``start``: read from the top and drop the members of samples passed over.
+                passed_set = frozenset(skip_keys)
+                streams[m] = (x for x in iter_members(f, url) if x.key not in passed_set)
+                continue
             if opts.align == "strict" or (opts.align == "merge" and m == driver):
                 offset, passed = _position(f, url, start, opts)
                 if m == driver:

@@ -186,6 +186,8 @@ def _strict(
         yield _row(shard, key, position, {m: picked[m] for m in modalities})
         position += 1
     for m, cand in pending.items():
+        if cand is None:
+            cand = next(iters[m], None)  # a member after the last match is unmatched too
         if cand is not None:
             raise AlignmentError(
                 f"shard {shard}: optional modality {m} has member {cand.key} (after position "
@@ -206,6 +208,11 @@ class _Cursor:
         self.buf: OrderedDict[str, Member] = OrderedDict()
         self.seen: set[str] = set()
         self.done = False
+        #: Stream position of each buffered member, and the highest position taken so far:
+        #: a member taken behind it was out of driver order ("reordered").
+        self.seq: dict[str, int] = {}
+        self.read = 0
+        self.max_taken = -1
 
     def find(self, key: str) -> bool:
         """Read forward until ``key`` is buffered; False when the stream ends without it."""
@@ -223,19 +230,25 @@ class _Cursor:
             self.seen.add(m.key)
             if m.key in self.passed:
                 continue  # belongs to a sample before the resume point
+            self.seq[m.key] = self.read
+            self.read += 1
             if m.key == key:
                 self.buf[key] = m
                 return True
             self.buf[m.key] = m
-            self.stats.add(self.modality, "reordered")  # provisionally: read ahead of its turn
             if len(self.buf) > self.window:
                 old_key, old = self.buf.popitem(last=False)
-                self.stats.add(self.modality, "reordered", -1)
+                del self.seq[old_key]
                 self.stats.add(self.modality, "evicted")
                 log.warning("look-ahead window of %s full: dropped %s", self.modality, old.name)
         return False
 
     def take(self, key: str) -> Member:
+        seq = self.seq.pop(key)
+        if seq < self.max_taken:
+            self.stats.add(self.modality, "reordered")  # stored ahead of a later-taken member
+        else:
+            self.max_taken = seq
         return self.buf.pop(key)
 
     def finish(self, driver_keys: set[str]) -> None:
@@ -243,12 +256,11 @@ class _Cursor:
         while self.find("\0never\0"):
             pass
         for key in self.buf:
-            # Read ahead but never taken: not a reordered member after all.
-            self.stats.add(self.modality, "reordered", -1)
             reason = "orphan" if key in driver_keys else "extra"
             self.stats.add(self.modality, reason)
             log.info("skip %s member %s of %s", reason, key, self.modality)
         self.buf.clear()
+        self.seq.clear()
 
 
 def _merge(
