@@ -176,9 +176,9 @@ def parse_wdinfo(
     elif _is_absolute(root_field):
         root = root_field.rstrip("/")
     else:
-        root = posixpath.normpath(join_url(base, root_field)) if "://" not in base else join_url(
-            base, root_field
-        )
+        scheme, sep, rest = base.rpartition("://")
+        # normalise "." and ".." (writers put root "."; object stores take names literally)
+        root = f"{scheme}{sep}{posixpath.normpath(join_url(rest, root_field))}"
     data_keys = doc.get("data_keys") or ()
     if not isinstance(data_keys, (list, tuple)):
         raise CatalogError(f"{url}: field 'data_keys' must be a list, got {type(data_keys).__name__}")
