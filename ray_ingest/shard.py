@@ -59,8 +59,9 @@ AMBIGUOUS = "several files share the stem"
 BAD_KEY = "unusable key"
 COLLISION = "key collision"
 OTHER_FOLDER = "sample dropped in another folder"
+BEYOND_LIMIT = "beyond limit"
 REASONS = (NOT_EVERYWHERE, UNREADABLE, TOO_LARGE, NO_EXTENSION, HIDDEN, AMBIGUOUS, BAD_KEY,
-           COLLISION, OTHER_FOLDER)
+           COLLISION, OTHER_FOLDER, BEYOND_LIMIT)
 
 _MB = 1024 * 1024
 
@@ -289,6 +290,8 @@ def shard_folders(
     if shuffle:
         random.Random(seed).shuffle(stems)
     if limit is not None:
+        for stem in stems[limit:]:
+            drop(stem, {f: BEYOND_LIMIT for f in modalities})
         stems = stems[:limit]
 
     # 5. aspect buckets (header reads in parallel)

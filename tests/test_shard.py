@@ -1,0 +1,269 @@
+"""The sharding tool: intersection, drop report, grouping, layout, buckets, determinism."""
+
+from __future__ import annotations
+
+import filecmp
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from ray_ingest.catalog import load_catalog
+from ray_ingest.errors import ConfigError
+from ray_ingest.reader import read_shard
+from ray_ingest.shard import (
+    AMBIGUOUS,
+    BEYOND_LIMIT,
+    COLLISION,
+    HIDDEN,
+    NO_EXTENSION,
+    NOT_EVERYWHERE,
+    OTHER_FOLDER,
+    TOO_LARGE,
+    UNREADABLE,
+    _groups,
+    shard_folders,
+)
+from ray_ingest.twin import KEY
+from ray_ingest.writer import aspect_bucket
+
+#: (stem, width, height) of the clean samples; the bucket each must land in.
+SIZES = [("s00", 160, 90, "16_9"), ("s01", 100, 100, "1_1"), ("s02", 90, 160, "9_16"),
+         ("s03", 210, 90, "21_9"), ("s04", 120, 80, "3_2"), ("s05", 120, 90, "4_3"),
+         ("s06", 90, 120, "3_4"), ("s07", 80, 120, "2_3"), ("s08", 64, 64, "1_1"),
+         ("s09", 300, 170, "16_9")]
+
+
+def _jpeg(w: int, h: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def make_raw(root: Path, extra_anomalies: bool = True) -> Path:
+    for d in ("image", "caption", "umt5"):
+        (root / d).mkdir(parents=True)
+    for i, (stem, w, h, _) in enumerate(SIZES):
+        ext = "png" if i == 3 else "jpg"
+        if ext == "png":
+            buf = io.BytesIO()
+            Image.new("RGB", (w, h), (i, 2 * i, 3 * i)).save(buf, "PNG")
+            (root / "image" / f"{stem}.{ext}").write_bytes(buf.getvalue())
+        else:
+            (root / "image" / f"{stem}.{ext}").write_bytes(_jpeg(w, h, i))
+        (root / "caption" / f"{stem}.json").write_text(json.dumps({"prompt": f"sample {i}"}))
+        arr = np.full((i + 1, 4), i, dtype=np.float16)
+        with open(root / "umt5" / f"{stem}.npy", "wb") as f:
+            np.save(f, arr)
+    if extra_anomalies:
+        (root / "image" / "lonely.jpg").write_bytes(_jpeg(10, 10, 99))   # image only
+        (root / "caption" / "lonely2.json").write_text("{}")             # caption only
+        (root / "caption" / ".DS_Store").write_text("x")                 # hidden
+        (root / "umt5" / "README").write_text("x")                       # no extension
+        for d, ext in (("image", "jpg"), ("caption", "json"), ("umt5", "npy")):
+            (root / d / f"dup.{ext}").write_bytes(b"1")
+        (root / "umt5" / "dup.pkl").write_bytes(b"2")                     # ambiguous stem
+        for stem in ("c.d", "c-d"):                                       # keys collide
+            for d, ext in (("image", "jpg"), ("caption", "json"), ("umt5", "npy")):
+                (root / d / f"{stem}.{ext}").write_bytes(b"3")
+        for d, ext in (("image", "jpg"), ("caption", "json")):
+            (root / d / f"broken.{ext}").write_bytes(b"4")
+        os.symlink(root / "nowhere", root / "umt5" / "broken.npy")        # unreadable
+        (root / "notes.txt").write_text("top-level files are ignored")
+        (root / "image" / "subdir").mkdir()                               # ignored
+    return root
+
+
+def _read_all(out: Path):
+    cat = load_catalog(str(out))
+    return cat, [row for shard in cat.shards for row in read_shard(shard)]
+
+
+def test_every_sample_once_byte_identical(tmp_path):
+    raw = make_raw(tmp_path / "in")
+    report = shard_folders(str(raw), str(tmp_path / "out"), shard_size=3)
+    cat, rows = _read_all(tmp_path / "out")
+    assert cat.keys == ("image", "caption", "umt5")
+    assert sorted(r[KEY] for r in rows) == [s[0] for s in SIZES]
+    assert [r[KEY] for r in rows] == [s[0] for s in SIZES]  # sorted order
+    for r in rows:
+        for m in ("image", "caption", "umt5"):
+            (src,) = (raw / m).glob(f"{r[KEY]}.*")
+            assert r[m] == src.read_bytes()
+            assert r[f"{m}__ext"] == src.suffix[1:]
+    assert report.samples == 10 and report.shards == 4
+    assert report.modalities == ("image", "caption", "umt5")
+    assert report.dropped == {
+        "image": {NOT_EVERYWHERE: 1, OTHER_FOLDER: 2, COLLISION: 2},
+        "caption": {NOT_EVERYWHERE: 1, HIDDEN: 1, OTHER_FOLDER: 2, COLLISION: 2},
+        "umt5": {NO_EXTENSION: 1, AMBIGUOUS: 2, UNREADABLE: 1, COLLISION: 2},
+    }
+    # every input file is accounted for: written or dropped
+    for m in ("image", "caption", "umt5"):
+        files = [p for p in (raw / m).iterdir() if not p.is_dir()]
+        assert len(files) == 10 + sum(report.dropped[m].values())
+
+
+def test_wdinfo_counts_match_tars(tmp_path):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    shard_folders(str(raw), str(tmp_path / "out"), shard_size=4, part_size=2)
+    doc = json.loads((tmp_path / "out" / "wdinfo.json").read_text())
+    assert doc["data_list"] == ["part_000000/000000.tar", "part_000000/000001.tar",
+                                "part_000001/000002.tar"]
+    assert doc["chunk_size"] == 4 and doc["root"] == "."
+    assert doc["data_keys"] == ["image", "caption", "umt5"]
+    for m in doc["data_keys"]:
+        counts = []
+        for rel in doc["data_list"]:
+            with tarfile.open(tmp_path / "out" / m / rel) as tf:
+                counts.append(sum(1 for x in tf.getmembers() if x.isreg()))
+            assert (tmp_path / "out" / m / (rel + ".idx.json")).exists()
+        assert counts == doc["data_list_key_count"] == [4, 4, 2]
+    assert doc["total_key_count"] == 10
+
+
+def test_flat_names_with_part_size_zero(tmp_path):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    shard_folders(str(raw), str(tmp_path / "out"), shard_size=6, part_size=0)
+    doc = json.loads((tmp_path / "out" / "wdinfo.json").read_text())
+    assert doc["data_list"] == ["00000000.tar", "00000001.tar"]
+
+
+def test_size_mode_follows_pid_rule(tmp_path):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    sizes = [(raw / "image" / f"{s[0]}.{'png' if i == 3 else 'jpg'}").stat().st_size
+             for i, s in enumerate(SIZES)]
+    budget = max(sizes) * 2 + 1
+    shard_folders(str(raw), str(tmp_path / "out"), max_shard_size_mb=budget / 2**20)
+    doc = json.loads((tmp_path / "out" / "wdinfo.json").read_text())
+    want = _groups([s[0] for s in SIZES], sizes, None, budget)
+    assert doc["data_list_key_count"] == [len(g) for g in want]
+    assert all(sum(sizes[int(k[1:])] for k in g) <= budget for g in want)
+    assert doc["chunk_size"] == int(10 / len(want))
+
+
+def test_groups_oversize_sample_is_its_own_shard():
+    assert _groups(list("abcde"), [1, 5, 1, 1, 1], None, 3) == [["a"], ["b"], ["c", "d", "e"]]
+    assert _groups(list("abcde"), [0] * 5, 2, 0) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_aspect_buckets(tmp_path):
+    raw = make_raw(tmp_path / "in")
+    report = shard_folders(str(raw), str(tmp_path / "out"), shard_size=100,
+                           classify_aspect_ratio=True)
+    want: dict[str, list[str]] = {}
+    for stem, _, _, bucket in SIZES:
+        want.setdefault(bucket, []).append(stem)
+    assert report.buckets == {b: len(v) for b, v in want.items()}
+    assert sorted(Path(u).parent.name for u in report.wdinfos) == sorted(
+        f"aspect_ratio_{b}" for b in want)
+    cat, rows = _read_all(tmp_path / "out")
+    for shard in cat.shards:
+        keys = [r[KEY] for r in read_shard(shard)]
+        assert keys == want[shard.bucket]
+    assert report.dropped["umt5"][UNREADABLE] == 1
+
+
+def test_unreadable_image_header_is_dropped_when_classifying(tmp_path):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    (raw / "image" / "s04.jpg").write_bytes(b"not an image")
+    report = shard_folders(str(raw), str(tmp_path / "out"), shard_size=100,
+                           classify_aspect_ratio=True)
+    assert report.samples == 9
+    assert report.dropped == {"image": {UNREADABLE: 1}, "caption": {OTHER_FOLDER: 1},
+                              "umt5": {OTHER_FOLDER: 1}}
+
+
+def test_aspect_bucket_rule():
+    assert aspect_bucket(1920, 1080) == "16_9"
+    assert aspect_bucket(1000, 1000) == "1_1"
+    assert aspect_bucket(2520, 1080) == "21_9"
+    assert aspect_bucket(1080, 1920) == "9_16"
+    # a square is equally far from 2:1 and 1:2 in log space: the first listed wins
+    assert aspect_bucket(50, 50, ((2, 1), (1, 2))) == "2_1"
+    assert aspect_bucket(50, 50, ((1, 2), (2, 1))) == "1_2"
+    with pytest.raises(ConfigError):
+        aspect_bucket(0, 10)
+
+
+def test_shuffle_is_seeded(tmp_path):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    orders = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        shard_folders(str(raw), str(tmp_path / name), shard_size=100, shuffle=True, seed=seed)
+        orders.append([r[KEY] for r in _read_all(tmp_path / name)[1]])
+    assert orders[0] == orders[1]
+    assert sorted(orders[0]) == [s[0] for s in SIZES]
+    assert orders[0] != [s[0] for s in SIZES] and orders[0] != orders[2]
+
+
+def test_dataset_name_limit_and_file_size(tmp_path):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    (raw / "umt5" / "s01.npy").write_bytes(b"x" * 2**20)
+    report = shard_folders(str(raw), str(tmp_path / "out"), shard_size=100,
+                           dataset_name="ds", limit=5, max_file_size_mb=0.5)
+    keys = [r[KEY] for r in _read_all(tmp_path / "out")[1]]
+    assert keys == ["ds__s00", "ds__s02", "ds__s03", "ds__s04", "ds__s05"]
+    assert report.dropped == {"image": {OTHER_FOLDER: 1, BEYOND_LIMIT: 4},
+                              "caption": {OTHER_FOLDER: 1, BEYOND_LIMIT: 4},
+                              "umt5": {TOO_LARGE: 1, BEYOND_LIMIT: 4}}
+    with tarfile.open(tmp_path / "out" / "image" / "part_000000" / "000000.tar") as tf:
+        assert tf.getnames()[2] == "ds__s03.png"  # original extension kept
+
+
+def test_parallel_output_is_identical(tmp_path):
+    raw = make_raw(tmp_path / "in")
+    shard_folders(str(raw), str(tmp_path / "one"), shard_size=2, num_workers=1)
+    shard_folders(str(raw), str(tmp_path / "many"), shard_size=2, num_workers=4)
+    cmp = filecmp.dircmp(tmp_path / "one", tmp_path / "many")
+    files = [p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file()]
+    assert len(files) == 5 * 3 * 2 + 1
+    assert not cmp.diff_files and not cmp.left_only and not cmp.right_only
+    for rel in files:
+        assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "many" / rel).read_bytes()
+
+
+def test_output_protection(tmp_path):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    out = tmp_path / "out"
+    shard_folders(str(raw), str(out), shard_size=100)
+    with pytest.raises(ConfigError, match="not empty"):
+        shard_folders(str(raw), str(out), shard_size=100)
+    report = shard_folders(str(raw), str(out), shard_size=5, overwrite=True)
+    assert report.shards == 2
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="refusing to overwrite"):
+        shard_folders(str(raw), str(out), shard_size=5, overwrite=True)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"shard_size": 0}, "shard_size"),
+    ({"max_shard_size_mb": 0}, "max_shard_size_mb"),
+    ({"num_workers": 0}, "num_workers"),
+    ({"size_based_on": "video"}, "size_based_on"),
+    ({"dataset_name": "a.b"}, "dataset_name"),
+])
+def test_bad_arguments(tmp_path, kwargs, match):
+    raw = make_raw(tmp_path / "in", extra_anomalies=False)
+    with pytest.raises(ConfigError, match=match):
+        shard_folders(str(raw), str(tmp_path / "out"), **kwargs)
+
+
+def test_no_usable_sample(tmp_path):
+    (tmp_path / "in" / "image").mkdir(parents=True)
+    (tmp_path / "in" / "caption").mkdir()
+    (tmp_path / "in" / "image" / "a.jpg").write_bytes(b"1")
+    (tmp_path / "in" / "caption" / "b.json").write_bytes(b"1")
+    with pytest.raises(ConfigError, match="no sample is usable.*not in every folder=1"):
+        shard_folders(str(tmp_path / "in"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConfigError, match="input folder not found"):
+        shard_folders(str(tmp_path / "nope"), str(tmp_path / "out"))
+    with pytest.raises(ConfigError, match="no modality subfolders"):
+        shard_folders(str(tmp_path / "in" / "image"), str(tmp_path / "out"))
