@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import filecmp
-import io
 import json
-import os
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from ray_ingest.catalog import load_catalog
 from ray_ingest.errors import ConfigError
@@ -31,53 +27,8 @@ from ray_ingest.shard import (
 )
 from ray_ingest.twin import KEY
 from ray_ingest.writer import aspect_bucket
-
-#: (stem, width, height) of the clean samples; the bucket each must land in.
-SIZES = [("s00", 160, 90, "16_9"), ("s01", 100, 100, "1_1"), ("s02", 90, 160, "9_16"),
-         ("s03", 210, 90, "21_9"), ("s04", 120, 80, "3_2"), ("s05", 120, 90, "4_3"),
-         ("s06", 90, 120, "3_4"), ("s07", 80, 120, "2_3"), ("s08", 64, 64, "1_1"),
-         ("s09", 300, 170, "16_9")]
-
-
-def _jpeg(w: int, h: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
-
-
-def make_raw(root: Path, extra_anomalies: bool = True) -> Path:
-    for d in ("image", "caption", "umt5"):
-        (root / d).mkdir(parents=True)
-    for i, (stem, w, h, _) in enumerate(SIZES):
-        ext = "png" if i == 3 else "jpg"
-        if ext == "png":
-            buf = io.BytesIO()
-            Image.new("RGB", (w, h), (i, 2 * i, 3 * i)).save(buf, "PNG")
-            (root / "image" / f"{stem}.{ext}").write_bytes(buf.getvalue())
-        else:
-            (root / "image" / f"{stem}.{ext}").write_bytes(_jpeg(w, h, i))
-        (root / "caption" / f"{stem}.json").write_text(json.dumps({"prompt": f"sample {i}"}))
-        arr = np.full((i + 1, 4), i, dtype=np.float16)
-        with open(root / "umt5" / f"{stem}.npy", "wb") as f:
-            np.save(f, arr)
-    if extra_anomalies:
-        (root / "image" / "lonely.jpg").write_bytes(_jpeg(10, 10, 99))   # image only
-        (root / "caption" / "lonely2.json").write_text("{}")             # caption only
-        (root / "caption" / ".DS_Store").write_text("x")                 # hidden
-        (root / "umt5" / "README").write_text("x")                       # no extension
-        for d, ext in (("image", "jpg"), ("caption", "json"), ("umt5", "npy")):
-            (root / d / f"dup.{ext}").write_bytes(b"1")
-        (root / "umt5" / "dup.pkl").write_bytes(b"2")                     # ambiguous stem
-        for stem in ("c.d", "c-d"):                                       # keys collide
-            for d, ext in (("image", "jpg"), ("caption", "json"), ("umt5", "npy")):
-                (root / d / f"{stem}.{ext}").write_bytes(b"3")
-        for d, ext in (("image", "jpg"), ("caption", "json")):
-            (root / d / f"broken.{ext}").write_bytes(b"4")
-        os.symlink(root / "nowhere", root / "umt5" / "broken.npy")        # unreadable
-        (root / "notes.txt").write_text("top-level files are ignored")
-        (root / "image" / "subdir").mkdir()                               # ignored
-    return root
+from tests.datagen import RAW_SIZES as SIZES
+from tests.datagen import write_raw_folders as make_raw
 
 
 def _read_all(out: Path):
