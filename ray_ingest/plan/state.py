@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from ray_ingest.errors import StateError
-from ray_ingest.plan.assign import PlanParams
+from ray_ingest.plan.assign import SEED_MODES, PlanParams
 from ray_ingest.plan.slices import ShardSlice, balance, plan_epoch, plan_slot
 from ray_ingest.plan.topology import Topology
 
@@ -157,6 +157,7 @@ class ReadState:
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> ReadState:
+        """Parse and validate a saved state; errors name the field (``generations[1].consumed[0]``)."""
         if not isinstance(doc, Mapping):
             raise StateError(f"read state: expected a mapping, got {type(doc).__name__}")
         if doc.get("kind") != STATE_KIND:
@@ -164,35 +165,38 @@ class ReadState:
         if doc.get("version") != STATE_VERSION:
             raise StateError(
                 f"read state field 'version': expected {STATE_VERSION}, got {doc.get('version')!r}")
-        try:
-            gens = tuple(
-                Generation(int(g["world_size"]), int(g["group_size"]), int(g["num_workers"]),
-                           tuple(tuple((int(a), int(b)) for a, b in rs) for rs in g["consumed"]),
-                           tuple(int(b) for b in g["batches"]))
-                for g in doc["generations"]
-            )
-            state = cls(
-                fingerprint=str(doc["fingerprint"]),
-                seed=int(doc["seed"]),
-                seed_mode=str(doc["seed_mode"]),
-                plan=dict(doc["plan"]),
-                epoch=int(doc["epoch"]),
-                generations=gens,
-                skips=tuple((int(s[0]), int(s[1]), str(s[2])) for s in doc.get("skips", [])),
-                dataset=dict(doc.get("dataset", {})),
-            )
-        except KeyError as exc:
-            raise StateError(f"read state: missing field {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise StateError(f"read state: malformed field ({exc})") from None
-        if not gens:
+        seed_mode = _field(doc, "seed_mode", "", str)
+        if seed_mode not in SEED_MODES:
+            raise StateError(f"read state field 'seed_mode': expected one of "
+                             f"{', '.join(SEED_MODES)}, got {seed_mode!r}")
+        plan = _field(doc, "plan", "", Mapping)
+        unknown = sorted(set(plan) - set(PLAN_FIELDS))
+        if unknown:
+            raise StateError(f"read state field 'plan.{unknown[0]}': unknown (expected one of "
+                             f"{', '.join(PLAN_FIELDS)})")
+        plan = {name: (_int(plan, name, "plan.", 0) if kind is int else _field(plan, name, "plan.", bool))
+                for name, kind in PLAN_FIELDS.items()}
+        raw_gens = _field(doc, "generations", "", list)
+        if not raw_gens:
             raise StateError("read state field 'generations': expected at least one, got none")
-        for i, g in enumerate(gens):
-            if len(g.consumed) != g.slots or len(g.batches) != g.slots:
-                raise StateError(
-                    f"read state field 'generations[{i}].consumed': expected {g.slots} slots, "
-                    f"got {len(g.consumed)}")
-        return state
+        gens = tuple(_generation(g, f"generations[{i}].") for i, g in enumerate(raw_gens))
+        skips = []
+        for i, sk in enumerate(_field(doc, "skips", "", list, default=[])):
+            if (not isinstance(sk, list) or len(sk) != 3 or not isinstance(sk[2], str)
+                    or any(not _is_int(v) or v < 0 for v in sk[:2])):
+                raise StateError(f"read state field 'skips[{i}]': expected [shard id, index, "
+                                 f"reason], got {sk!r}")
+            skips.append((sk[0], sk[1], sk[2]))
+        return cls(
+            fingerprint=_field(doc, "fingerprint", "", str),
+            seed=_int(doc, "seed", ""),
+            seed_mode=seed_mode,
+            plan=plan,
+            epoch=_int(doc, "epoch", "", 0),
+            generations=gens,
+            skips=tuple(skips),
+            dataset=dict(_field(doc, "dataset", "", Mapping, default={})),
+        )
 
     # --- validation on restore -----------------------------------------------------------
     def check_compatible(self, fingerprint: str, params: PlanParams,
@@ -205,9 +209,84 @@ class ReadState:
                 f"{fingerprint} (the data changed{': ' + what if what else ''})")
         mine = params_dict(params)
         for field, value in (("seed", self.seed), ("seed_mode", self.seed_mode), *self.plan.items()):
-            if mine[field] != value:
+            # start_index is a starting point (PiD's WDS_START_INDEX), not a property of the
+            # run: the saved position supersedes whatever this run would have started from.
+            if field != "start_index" and mine[field] != value:
                 raise StateError(
                     f"read state field {field!r}: saved {value!r}, this run uses {mine[field]!r}")
+
+
+#: Plan fields a state records, and their types.
+PLAN_FIELDS: dict[str, type] = {"shuffle": bool, "repeat": bool, "equal_work": bool,
+                                "start_index": int}
+
+_MISSING = object()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(doc: Mapping[str, Any], name: str, where: str, kind: type | tuple[type, ...],
+           default: Any = _MISSING) -> Any:
+    if name not in doc:
+        if default is not _MISSING:
+            return default
+        raise StateError(f"read state field '{where}{name}': missing")
+    value = doc[name]
+    if not isinstance(value, kind):
+        want = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise StateError(f"read state field '{where}{name}': expected {want}, got {value!r}")
+    return value
+
+
+def _int(doc: Mapping[str, Any], name: str, where: str, minimum: int | None = None) -> int:
+    if name not in doc:
+        raise StateError(f"read state field '{where}{name}': missing")
+    value = doc[name]
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        want = "an int" if minimum is None else f"an int >= {minimum}"
+        raise StateError(f"read state field '{where}{name}': expected {want}, got {value!r}")
+    return value
+
+
+def _generation(doc: Any, where: str) -> Generation:
+    if not isinstance(doc, Mapping):
+        raise StateError(f"read state field '{where[:-1]}': expected a mapping, got {doc!r}")
+    world = _int(doc, "world_size", where, 1)
+    group = _int(doc, "group_size", where, 1)
+    if world % group:
+        raise StateError(f"read state field '{where}group_size': expected a divisor of "
+                         f"world_size ({world}), got {group}")
+    workers = _int(doc, "num_workers", where, 1)
+    slots = world // group
+    consumed_doc = _field(doc, "consumed", where, list)
+    batches_doc = _field(doc, "batches", where, list)
+    for name, seq in (("consumed", consumed_doc), ("batches", batches_doc)):
+        if len(seq) != slots:
+            raise StateError(f"read state field '{where}{name}': expected {slots} slots "
+                             f"(world_size {world} / group_size {group}), got {len(seq)}")
+    consumed = []
+    for s, rs in enumerate(consumed_doc):
+        ranges: list[tuple[int, int]] = []
+        ok = isinstance(rs, list)
+        for r in rs if ok else ():
+            ok = (isinstance(r, list) and len(r) == 2 and all(_is_int(v) for v in r)
+                  and 0 <= r[0] < r[1] and (not ranges or ranges[-1][1] <= r[0]))
+            if not ok:
+                break
+            ranges.append((r[0], r[1]))
+        if not ok:
+            raise StateError(f"read state field '{where}consumed[{s}]': expected sorted, "
+                             f"disjoint [lo, hi) ranges with 0 <= lo < hi, got {rs!r}")
+        consumed.append(tuple(ranges))
+    batches = []
+    for s, b in enumerate(batches_doc):
+        if not _is_int(b) or b < 0:
+            raise StateError(f"read state field '{where}batches[{s}]': expected an int >= 0, "
+                             f"got {b!r}")
+        batches.append(b)
+    return Generation(world, group, workers, tuple(consumed), tuple(batches))
 
 
 def params_dict(params: PlanParams) -> dict[str, Any]:
@@ -225,9 +304,12 @@ def initial_state(fingerprint: str, params: PlanParams, epoch: int, topo: Topolo
 
 
 def next_epoch(state: ReadState, topo: Topology) -> ReadState:
-    """The state at the start of the following epoch (on the current topology)."""
+    """The state at the start of the following epoch (on the current topology).
+
+    A PiD start index applies to the epoch it started in only: the next epoch reads everything.
+    """
     return attrs.evolve(state, epoch=state.epoch + 1, generations=(Generation.fresh(topo),),
-                        skips=())
+                        skips=(), plan={**state.plan, "start_index": 0})
 
 
 def with_topology(state: ReadState, topo: Topology) -> ReadState:
