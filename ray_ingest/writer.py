@@ -18,7 +18,9 @@ No Ray, no torch.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import posixpath
 import sys
 import tarfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +33,8 @@ import fsspec
 from ray_ingest.catalog import WDINFO_NAME, join_url
 from ray_ingest.errors import ConfigError
 from ray_ingest.tario import BLOCK, TarIndex, index_url, split_name
+
+log = logging.getLogger(__name__)
 
 #: Aspect-ratio buckets (width, height), in PiD's tie-breaking order (the first wins a tie).
 ASPECT_RATIOS: tuple[tuple[int, int], ...] = (
@@ -86,6 +90,15 @@ def check_key(key: str) -> None:
             f"sample key: expected a non-empty name without '.' that is not a __metadata__ "
             f"entry, got {key!r}"
         )
+
+
+def _open_write(url: str, storage_options: Mapping[str, Any] | None) -> BinaryIO:
+    """Open ``url`` for writing through fsspec, creating its parent folder first."""
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    return fs.open(path, "wb")
 
 
 def _tar_header(name: str, size: int) -> bytes:
@@ -202,9 +215,7 @@ class ShardWriter:
             raise ConfigError(f"shard {self.path}: writer already opened")
         for m in self.modalities:
             url = self.url(m)
-            fs, fspath = fsspec.core.url_to_fs(url, **self.storage_options)
-            fs.makedirs(fs._parent(fspath), exist_ok=True)
-            self._streams[m] = _TarStream(url, fs.open(fspath, "wb"))
+            self._streams[m] = _TarStream(url, _open_write(url, self.storage_options))
         return self
 
     def add(self, key: str, members: Members) -> None:
@@ -247,7 +258,7 @@ class ShardWriter:
             idx = stream.finish()
             sizes[m] = idx.tar_size
             if self.write_index:
-                with fsspec.open(index_url(stream.url), "wb", **self.storage_options) as f:
+                with _open_write(index_url(stream.url), self.storage_options) as f:
                     f.write(idx.dumps().encode())
         self._info = ShardInfo(path=self.path, count=len(self._keys), bytes=sizes, leaf=self.leaf)
         self._streams = {}
@@ -260,8 +271,8 @@ class ShardWriter:
                 stream.f.close()
                 fs, fspath = fsspec.core.url_to_fs(stream.url, **self.storage_options)
                 fs.rm(fspath)
-            except OSError:  # noqa: PERF203 - cleanup must try every file
-                pass
+            except OSError:
+                log.warning("could not remove partial tar %s", stream.url)
         self._streams = {}
 
     @property
@@ -341,7 +352,7 @@ def write_wdinfo(
         "root": ".",
     }
     url = join_url(leaf, WDINFO_NAME)
-    with fsspec.open(url, "wb", auto_mkdir=True, **(storage_options or {})) as f:
+    with _open_write(url, storage_options) as f:
         f.write((json.dumps(doc, indent=2) + "\n").encode())
     return url
 

@@ -108,3 +108,20 @@ def test_bad_arguments(tmp_path, kwargs, match):
     args = {"samples": 4, "shard_size": 2, **kwargs}
     with pytest.raises(ConfigError, match=match):
         synth_dataset(str(tmp_path), **args)
+
+
+def test_memory_filesystem_round_trip():
+    import fsspec
+
+    from ray_ingest.inspect import iter_records, summarize
+
+    try:
+        report = synth_dataset("memory://synth-test/ds", samples=7, shard_size=3,
+                               classify_aspect_ratio=True, modalities=MODS)
+        assert all(u.startswith("memory://synth-test/ds/aspect_ratio_") for u in report.wdinfos)
+        summary = summarize("memory://synth-test")
+        assert summary["samples"] == 7 and summary["modalities"] == list(MODS)
+        recs = list(iter_records("memory://synth-test"))
+        assert sorted(r["key"] for r in recs) == [f"s{i:08d}" for i in range(7)]
+    finally:
+        fsspec.filesystem("memory").rm("/synth-test", recursive=True)
