@@ -37,6 +37,34 @@ def build_model():
     )
 
 
+STEP_LOG_PREFIX = "[train] step "
+
+
+def format_step_log(step: int, epoch: int, loss: float, samples_per_s: float, data_wait: float,
+                    stages: dict[str, float]) -> str:
+    """The periodic log line: ``[train] step N epoch E loss L samples/s R data-wait W stages {json}``.
+
+    ``data_wait`` is the share of the last interval spent blocked on the loader; ``stages`` is
+    :meth:`ray_ingest.stream.IngestLoader.stage_breakdown` since the loop started (fractions
+    ``data_wait``, ``assemble``, ``transfer``, ``compute``, ``other`` summing to 1, plus the
+    upstream ``read_cpu_s``/``decode_cpu_s``).
+    """
+    return (f"{STEP_LOG_PREFIX}{step} epoch {epoch} loss {loss:.4f} "
+            f"samples/s {samples_per_s:.1f} data-wait {data_wait:.1%} "
+            f"stages {json.dumps(stages, separators=(',', ':'))}")
+
+
+def parse_step_log(line: str) -> dict[str, Any] | None:
+    """Inverse of :func:`format_step_log` (None for any other line), for log scrapers."""
+    if not line.startswith(STEP_LOG_PREFIX) or " stages " not in line:
+        return None
+    head, _, stages = line.partition(" stages ")
+    f = head.split()
+    return {"step": int(f[2]), "epoch": int(f[4]), "loss": float(f[6]),
+            "samples_per_s": float(f[8]), "data_wait": round(float(f[10].rstrip("%")) / 100, 4),
+            "stages": json.loads(stages)}
+
+
 def _ledger_append(path: str, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -119,6 +147,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     done = max_steps is not None and global_step >= max_steps
     for epoch, batches in ([] if done else loader.epochs(cfg.train.epochs)):
         for batch in batches:
+            # Everything the loop does between two batches counts as compute (the model step,
+            # the ledger, logging, checkpoints), so the stage fractions cover the loop's time.
             t_step = time.perf_counter()
             x = batch["image"].permute(0, 3, 1, 2).float().div_(255.0)
             opt.zero_grad(set_to_none=True)
@@ -127,7 +157,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             opt.step()
             global_step += 1
             losses.append(loss.item())
-            loader.clock.compute += time.perf_counter() - t_step
             samples_log += len(batch.keys)
             if ledger:
                 _ledger_append(ledger, {"epoch": epoch, "step": global_step, "rank": rank,
@@ -137,20 +166,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                         "skipped": batch.skipped})
             if global_step % cfg.train.log_every == 0 and rank == 0:
                 now = time.perf_counter()
+                loader.clock.compute += now - t_step
+                t_step = now
                 wait = loader.clock.wait - wait_log
-                print(f"[train] step {global_step} epoch {epoch} loss {loss.item():.4f} "
-                      f"samples/s {samples_log / (now - t_log):.1f} "
-                      f"data-wait {wait / (now - t_log):.1%} stages {json.dumps(loader.stage_breakdown(now - t_start))}",
+                print(format_step_log(global_step, epoch, loss.item(), samples_log / (now - t_log),
+                                      wait / (now - t_log), loader.stage_breakdown(now - t_start)),
                       flush=True)
                 t_log, wait_log, samples_log = now, loader.clock.wait, 0
             last = max_steps is not None and global_step >= max_steps
             if global_step % cfg.train.checkpoint_every == 0 or last:
                 report(True, {})
+                loader.clock.compute += time.perf_counter() - t_step
+                t_step = time.perf_counter()
                 if (fail_at is not None and global_step == fail_at and rank == world - 1
                         and fail_marker and not os.path.exists(fail_marker)):
                     with open(fail_marker, "w") as f:
                         f.write(str(global_step))
                     raise RuntimeError(f"injected failure after step {global_step}")
+            loader.clock.compute += time.perf_counter() - t_step
             if last:
                 break
         if ledger and loader.state.epoch > epoch:
@@ -162,13 +195,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     summary = {"final": True, "elapsed_s": elapsed, "samples": loader.clock.samples,
                "samples_per_s": loader.clock.samples / elapsed if elapsed else 0.0,
                "data_wait_frac": loader.clock.wait / elapsed if elapsed else 0.0,
-               "first_loss": losses[0] if losses else None, "actors_seen": len(loader.actors_seen)}
+               "first_loss": losses[0] if losses else None, "actors_seen": len(loader.actors_seen),
+               "stages": loader.stage_breakdown(elapsed)}
     if rank == 0:
         print(f"[train] done: {json.dumps(summary)}", flush=True)
     report(True, summary)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The job's command line (``python jobs/train.py --help``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (configs/demo.yaml)")
     p.add_argument("--data", action="append", help="dataset path (overrides data.paths; repeatable)")
@@ -185,7 +220,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="raise once on the last rank right after step N's checkpoint")
     p.add_argument("--num-cpus", type=int, default=8,
                    help="logical CPUs of the embedded local Ray (ignored when joining a cluster)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def resolve_config(args: argparse.Namespace) -> Config:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import click
+from tqdm import tqdm
 
 from ray_ingest.audit import audit, keys_at, read_ledgers
 from ray_ingest.catalog import load_catalog
@@ -16,8 +18,10 @@ from ray_ingest.catalog import load_catalog
 @click.option("--keys", default=None, help="modalities, comma-separated (as trained)")
 @click.option("--step", type=int, default=None, help="show the keys of this global step")
 @click.option("--rank", type=int, default=0, show_default=True, help="rank for --step")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar on stderr, one tick per epoch (default: only on a terminal).")
 def command(ledger_dir: str, data: tuple[str, ...], keys: str | None, step: int | None,
-            rank: int) -> None:
+            rank: int, progress: bool | None) -> None:
     """Per epoch: samples expected, seen, duplicated, missing (exit 1 if not exactly-once)."""
     ledgers = read_ledgers(ledger_dir)
     if step is not None:
@@ -25,8 +29,16 @@ def command(ledger_dir: str, data: tuple[str, ...], keys: str | None, step: int 
         return
     catalog = load_catalog(list(data), keys=keys.split(",") if keys else None)
     bad = False
-    for report in audit(ledgers, catalog):
-        click.echo(json.dumps(report))
-        bad |= report["complete"] and not report["exactly_once"]
+    epochs = sorted({b["epoch"] for lg in ledgers.values() for b in lg.batches}
+                    | {e for lg in ledgers.values() for e in lg.epoch_ends})
+    bar = tqdm(epochs, desc="audit", unit="epoch", disable=None if progress is None else not progress)
+    for epoch in bar:  # epochs are audited independently: one at a time, reported as they finish
+        view = {r: attrs.evolve(lg, batches=[b for b in lg.batches if b["epoch"] == epoch],
+                                epoch_ends={e: s for e, s in lg.epoch_ends.items() if e == epoch})
+                for r, lg in ledgers.items()}
+        for report in audit(view, catalog):
+            bar.clear()
+            click.echo(json.dumps(report))
+            bad |= report["complete"] and not report["exactly_once"]
     if bad:
         raise click.exceptions.Exit(1)
