@@ -44,7 +44,7 @@ CAPTION_CHARS = 160
 TEXT_EXTS = frozenset({"json", "txt", "text"})
 ARRAY_EXTS = frozenset({"npy"})
 
-__all__ = ["NO_BUCKET", "DatasetView", "Grid", "Sample", "Stats", "open_dataset"]
+__all__ = ["DatasetView", "Grid", "NO_BUCKET", "Sample", "Stats", "open_dataset"]
 
 
 def _bucket_label(bucket: str | None) -> str:
