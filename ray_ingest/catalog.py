@@ -15,18 +15,26 @@ import hashlib
 import json
 import logging
 import posixpath
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 import fsspec
 
-from ray_ingest.errors import CatalogError
+from ray_ingest import remote
+from ray_ingest.errors import CatalogError, IngestError
 
 log = logging.getLogger(__name__)
 
 WDINFO_NAME = "wdinfo.json"
 DEFAULT_KEYS = ("image", "caption")
+#: Catalogs kept by ``load_catalog(..., cache=True)`` (least recently used evicted first).
+CACHE_SIZE = 16
+#: Object metadata that changes when a wdinfo.json is rewritten (whichever the filesystem has).
+_VERSION_FIELDS = ("size", "generation", "md5Hash", "crc32c", "etag", "ETag", "version_id",
+                   "LastModified", "updated", "mtime", "created", "ino")
 
 
 def _tuple_of_str(value: Iterable[str]) -> tuple[str, ...]:
@@ -209,13 +217,12 @@ def read_wdinfo(
     dset_id: str = "dset: 0",
     storage_options: dict[str, Any] | None = None,
 ) -> Wdinfo:
-    """Read and validate one wdinfo.json over fsspec."""
+    """Read and validate one wdinfo.json over fsspec (remote reads retry, see ``remote``)."""
     try:
-        with fsspec.open(url, "rb", **(storage_options or {})) as f:
-            raw = f.read()
+        raw = remote.read_bytes(url, storage_options)
     except FileNotFoundError:
         raise CatalogError(f"{url}: wdinfo.json not found") from None
-    except OSError as exc:
+    except (OSError, IngestError) as exc:
         raise CatalogError(f"{url}: cannot read wdinfo.json ({exc})") from None
     try:
         doc = json.loads(raw)
@@ -303,29 +310,73 @@ class Catalog:
         }
 
 
+_CACHE: OrderedDict[str, Catalog] = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+
+
+def clear_catalog_cache() -> None:
+    """Forget every catalog kept by ``load_catalog(..., cache=True)``."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _content_tag(url: str, storage_options: dict[str, Any]) -> list[Any]:
+    """``[url, (field, value)...]``: size and version metadata of a wdinfo, without reading it."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError:
+        raise CatalogError(f"{url}: wdinfo.json not found") from None
+    except OSError as exc:
+        raise CatalogError(f"{url}: cannot read wdinfo.json metadata ({exc})") from None
+    return [url, *((k, str(info[k])) for k in _VERSION_FIELDS if info.get(k) is not None)]
+
+
 def load_catalog(
     paths: str | DatasetInfo | Sequence[str | DatasetInfo],
     keys: Sequence[str] | None = None,
     storage_options: dict[str, Any] | None = None,
+    *,
+    cache: bool = False,
 ) -> Catalog:
     """Build a catalog from paths (wdinfo.json or folders) and/or :class:`DatasetInfo` objects.
 
     Order: the datasets in the order given; within one, its wdinfo files sorted by URL; within a
     wdinfo, ``data_list`` order. ``keys`` defaults to the first wdinfo's ``data_keys`` filtered to
     modalities, else ``("image", "caption")``.
+
+    With ``cache=True`` the parsed catalog is kept in this process (LRU of :data:`CACHE_SIZE`),
+    keyed by the arguments, the wdinfo URLs found and each file's size/version metadata
+    (generation, etag or mtime): a repeated call costs discovery plus one metadata request per
+    wdinfo, and a rewritten wdinfo.json is read again.
     """
     if isinstance(paths, (str, DatasetInfo)):
         paths = [paths]
     if not paths:
         raise CatalogError("no dataset paths given")
     infos = [p if isinstance(p, DatasetInfo) else DatasetInfo(wdinfo=(p,)) for p in paths]
-    wdinfos: list[Wdinfo] = []
-    all_keys: tuple[str, ...] | None = tuple(keys) if keys else None
-    for i, info in enumerate(infos):
+    resolved: list[tuple[DatasetInfo, dict[str, Any], list[str]]] = []
+    for info in infos:
         so = {**(storage_options or {}), **info.object_store_config}
         urls: list[str] = []
         for p in info.wdinfo:
             urls.extend(discover(p, so))
+        resolved.append((info, so, urls))
+    cache_key = None
+    if cache:
+        cache_key = json.dumps(
+            [list(keys) if keys else None,
+             [[attrs.asdict(info), sorted(so.items()), [_content_tag(u, so) for u in urls]]
+              for info, so, urls in resolved]],
+            sort_keys=True, default=repr)
+        with _CACHE_LOCK:
+            hit = _CACHE.get(cache_key)
+            if hit is not None:
+                _CACHE.move_to_end(cache_key)
+                return hit
+    wdinfos: list[Wdinfo] = []
+    all_keys: tuple[str, ...] | None = tuple(keys) if keys else None
+    for i, (info, so, urls) in enumerate(resolved):
         for url in urls:
             ds_keys = info.per_dataset_keys or all_keys
             if ds_keys is None:
@@ -340,9 +391,15 @@ def load_catalog(
         log.info("datasets have different chunk_size values %s; using the first (%d)",
                  sorted(chunks), wdinfos[0].chunk_size)
     shards = tuple(t for w in wdinfos for t in w.tar_files)
-    return Catalog(
+    catalog = Catalog(
         shards=shards,
         wdinfos=tuple(wdinfos),
         chunk_size=wdinfos[0].chunk_size,
         keys=tuple(all_keys or DEFAULT_KEYS),
     )
+    if cache_key is not None:
+        with _CACHE_LOCK:
+            _CACHE[cache_key] = catalog
+            while len(_CACHE) > CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    return catalog

@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import pickle
+import re
 import time
 import warnings
 from typing import Any
@@ -44,6 +45,7 @@ PASSTHROUGH = ("__key__", "__shard__", "__index__", "__sid__", "__seq__", "__pad
 DECODE_TIME = "__t_decode__"
 ERROR = "__error__"
 ACTOR = "__actor__"
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class SampleError(Exception):
@@ -98,7 +100,9 @@ class Decoder:
         try:
             import ray
 
-            self.actor_id = ray.get_runtime_context().get_actor_id() or "driver"
+            # Only ask a running Ray: get_runtime_context() would start (or join) one.
+            self.actor_id = (ray.get_runtime_context().get_actor_id() or "driver"
+                             if ray.is_initialized() else "local")
         except Exception:  # outside Ray (tests, cat)
             self.actor_id = "local"
 
@@ -180,10 +184,11 @@ class Decoder:
             try:
                 decoded.append(self.decode_row(row))
                 errors.append("")
-            except (SampleError, UnsafeFormatError, OSError, ValueError, SyntaxError,
+            except (SampleError, UnsafeFormatError, OSError, ValueError, SyntaxError, EOFError,
                     Image.DecompressionBombError, Image.DecompressionBombWarning,
                     UnicodeDecodeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+                reason = _ADDRESS.sub("", reason)  # "<_io.BytesIO object at 0x7f…>": same every run
                 where = (f"shard {row.get('__shard__')} key {row.get('__key__')} "
                          f"index {row.get('__index__')}")
                 if self.on_error == "raise":

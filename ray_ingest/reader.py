@@ -80,9 +80,9 @@ def load_index_keys(path: str, shard: str | None = None,
     return keys
 
 
-def _read_index(url: str, storage_options: dict[str, Any]) -> TarIndex | None:
+def _read_index(url: str, storage_options: dict[str, Any], retry: Any = None) -> TarIndex | None:
     try:
-        raw = remote.read_bytes(index_url(url), storage_options)
+        raw = remote.read_bytes(index_url(url), storage_options, retry)
     except (FileNotFoundError, IngestError, OSError):
         return None
     try:
@@ -108,7 +108,7 @@ def _position(f: BinaryIO, url: str, start: int, opts: ReadOptions) -> tuple[int
     """Move ``f`` to named member ``start``; return (byte offset, keys passed over)."""
     if start <= 0:
         return 0, []
-    idx = _read_index(url, opts.storage_options) if opts.use_index else None
+    idx = _read_index(url, opts.storage_options, opts.retry) if opts.use_index else None
     if idx is not None and idx.tar_size >= 0 and idx.tar_size != _size(f):
         idx = None  # stale index (the tar was rewritten): stream instead
     if idx is not None:
@@ -155,7 +155,7 @@ def read_shard(
         for m in shard.keys:
             url = shard.url(m)
             try:
-                f = stack.enter_context(remote.open_url(url, opts.storage_options))
+                f = stack.enter_context(remote.open_url(url, opts.storage_options, opts.retry))
             except FileNotFoundError:
                 if m in opts.optional and m != driver:
                     streams[m] = iter(())  # absent tar: the column stays, every value None

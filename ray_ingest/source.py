@@ -103,18 +103,18 @@ def read_item(
             cols[ext_column(m)].append(row.get(ext_column(m)))
 
     next_index = item.start
+    last_key = None
     try:
         for row in read_shard(shard, item.start, item.count, opts):
             add(row)
             next_index = row[INDEX] + 1
+            last_key = row[KEY]
             if len(cols[KEY]) >= block_rows:
                 yield flush()
                 clock[0] = time.perf_counter()
     except (IngestError, OSError) as exc:
         if on_error != "skip":
-            if isinstance(exc, IngestError):
-                raise
-            raise IngestError(f"shard {shard.path}: read failed at sample {next_index}: {exc}") from None
+            raise _located(exc, shard.path, next_index, last_key) from None
         reason = f"read: {type(exc).__name__}: {exc}".replace("\n", " ")
         log.warning("skip shard %s samples %d..%d: %s", shard.path, next_index,
                     item.start + item.count - 1, reason)
@@ -124,6 +124,19 @@ def read_item(
                 yield flush()
     if cols[KEY]:
         yield flush()
+
+
+def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -> IngestError:
+    """One-line error naming the shard, the sample index and the last key read before it.
+
+    Keeps the exception type when it takes a plain message (TarFormatError, AlignmentError…).
+    """
+    where = f"shard {shard} index {index}" + (f" (after key {last_key})" if last_key else "")
+    text = " ".join(str(exc).split())
+    text = text.removeprefix(f"shard {shard}: ")
+    if isinstance(exc, IngestError) and type(exc).__init__ is Exception.__init__:
+        return type(exc)(f"{where}: {text}")
+    return IngestError(f"{where}: read failed: {type(exc).__name__}: {text}")
 
 
 class TwinTarDatasource(Datasource):

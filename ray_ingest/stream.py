@@ -25,7 +25,7 @@ import numpy as np
 
 from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.config import Config
-from ray_ingest.errors import SkipBudgetExceeded, StateError
+from ray_ingest.errors import IngestError, SkipBudgetExceeded, StateError
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.slices import ShardSlice
 from ray_ingest.plan.state import (
@@ -149,7 +149,8 @@ class IngestLoader:
         self.cfg = cfg
         self.topology = topology
         self.catalog = catalog or load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
-                                               storage_options=cfg.data.storage_options)
+                                               storage_options=cfg.data.storage_options,
+                                               cache=True)
         self.counts = self.catalog.counts
         self.params = plan_params(cfg, start_index)
         self.device = device
@@ -164,6 +165,8 @@ class IngestLoader:
         self.clock = StageClock()
         self.data_stats: list[str] = []
         self.actors_seen: set[str] = set()
+        #: Samples skipped under on_error=skip since this loader was built, by kind of failure.
+        self.skips_by_kind: dict[str, int] = {}
         self.shard_bucket = bucket_of_shards(self.catalog, cfg.decode.buckets)
 
     # --- checkpoints ---------------------------------------------------------------------
@@ -215,6 +218,8 @@ class IngestLoader:
         ctx.enable_progress_bars = False
         ctx.execution_options.verbose_progress = False
         ctx.max_errored_blocks = 0  # never drop data silently
+        # Keep an IngestError's type and one-line message (not a UserCodeException wrapper).
+        ctx.raise_original_map_exception = True
         read_kw: dict[str, Any] = {}
         map_kw: dict[str, Any] = {}
         if cfg.decode.label_selector:
@@ -319,7 +324,13 @@ class IngestLoader:
                                       prefetch_batches=cfg.loader.prefetch_batches))
             while True:
                 t0 = time.perf_counter()
-                block = next(it, None)
+                try:
+                    block = next(it, None)
+                except Exception as exc:
+                    cause = _ingest_cause(exc)
+                    if cause is None:
+                        raise
+                    raise cause from None  # one line naming shard, index/key and reason
                 self.clock.wait += time.perf_counter() - t0
                 if block is None:
                     break
@@ -331,6 +342,11 @@ class IngestLoader:
                     for i in bad:
                         sid, idx = int(block["__sid__"][i]), int(block["__index__"][i])
                         new_skips.append((sid, idx, str(errors[i])))
+                        kind = _skip_kind(str(errors[i]))
+                        self.skips_by_kind[kind] = self.skips_by_kind.get(kind, 0) + 1
+                        log.warning("rank %d: skip shard %s key %s index %d: %s", topo.rank,
+                                    self.catalog.shards[sid].path, block["__key__"][i] or "?",
+                                    idx, errors[i])
                         pending.append(int(block["__seq__"][i]))
                         skips_epoch += 1
                         skips_shard[sid] = skips_shard.get(sid, 0) + 1
@@ -462,4 +478,30 @@ class IngestLoader:
     def metrics(self) -> dict[str, Any]:
         """Stage timings and counters collected so far (see docs/observability)."""
         return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
-                "skips_in_epoch": len(self.state.skips)}
+                "skips_in_epoch": len(self.state.skips),
+                "skips_total": sum(self.skips_by_kind.values()),
+                "skips_by_kind": dict(self.skips_by_kind)}
+
+
+def _ingest_cause(exc: BaseException) -> IngestError | None:
+    """The :class:`IngestError` behind a Ray task error (``RayTaskError.cause``), if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        cause = getattr(cur, "cause", None)
+        if not isinstance(cause, BaseException):
+            if not isinstance(cur, IngestError):
+                return None
+            if cur.args and isinstance(cur.args[0], str) and "\n" in cur.args[0]:
+                # Ray Data appends retry advice on new lines; our messages are one line.
+                cur.args = (cur.args[0].split("\n", 1)[0], *cur.args[1:])
+            return cur
+        cur = cause
+    return None
+
+
+def _skip_kind(reason: str) -> str:
+    """``SampleError`` / ``read/TarFormatError``: the failure class named by a skip reason."""
+    parts = reason.split(": ", 2)
+    return f"read/{parts[1]}" if parts[0] == "read" and len(parts) > 1 else parts[0]

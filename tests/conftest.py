@@ -21,6 +21,7 @@ def ray_local():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a private instance even when `ray start` runs on this machine
             num_cpus=8,
             include_dashboard=False,
             object_store_memory=768 * 1024**2,
