@@ -14,6 +14,12 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 pytest_plugins = ("tests.fixtures_gcs",)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Run `cluster` tests (own `ray start`/`ray stop`) before anything starts the session Ray:
+    `ray stop` ends every Ray process on the machine."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("cluster") else 1)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the whole session (logical CPUs > cores avoids Data/Train deadlocks)."""
