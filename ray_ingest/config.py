@@ -152,7 +152,8 @@ class LoaderConfig:
     read_workers: int = attrs.field(default=2, validator=_at_least(1))
     #: Logical CPUs per read task.
     read_num_cpus: float = attrs.field(default=0.25, validator=_at_least(0.0))
-    #: Rows per Arrow block produced by a read task.
+    #: Samples per read task and per Arrow block (strict alignment cuts shards into tasks of
+    #: this size so decode overlaps reading; other modes read whole slices in such blocks).
     block_rows: int = attrs.field(default=64, validator=_at_least(1))
     #: Deterministic batch order (preserve_order). False trades determinism for throughput.
     ordered: bool = True
