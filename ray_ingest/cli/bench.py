@@ -5,15 +5,27 @@ from __future__ import annotations
 import click
 
 
-@click.command("bench", context_settings={"ignore_unknown_options": True,
-                                          "help_option_names": []})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def command(args: tuple[str, ...]) -> None:
-    """Run the throughput benchmark; ARGS are its flags (`ray-ingest bench --help`):
-    --data --samples --shard-size --min-side --max-side --res --batch --runs --cores --only
-    --json-out."""
+@click.command("bench")
+@click.option("--data", default="/tmp/ray_ingest_bench_tp", show_default=True,
+              help="dataset folder (synthesized when absent, reused otherwise)")
+@click.option("--samples", type=int, default=2400, show_default=True)
+@click.option("--shard-size", type=int, default=100, show_default=True)
+@click.option("--min-side", type=int, default=512, show_default=True)
+@click.option("--max-side", type=int, default=768, show_default=True)
+@click.option("--res", type=int, default=224, show_default=True, help="output side")
+@click.option("--batch", type=int, default=32, show_default=True)
+@click.option("--runs", type=int, default=3, show_default=True, help="repetitions (medians)")
+@click.option("--cores", type=int, default=None, help="decode parallelism (default: cpu count)")
+@click.option("--only", default=None, help="comma list of ours,wds_dl,ray_wds,ceiling")
+@click.option("--json-out", default=None, help="write medians and runs as JSON here")
+def command(**opts) -> None:
+    """Throughput of ray_ingest vs baselines, same data, same sitting (prints ratios)."""
     from ray_ingest.benchmark import main
 
-    rc = main(list(args))
+    argv: list[str] = []
+    for name, value in opts.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    rc = main(argv)
     if rc:
         raise click.exceptions.Exit(rc)
