@@ -410,10 +410,15 @@ class IngestLoader:
     @staticmethod
     def _pad(parts: list[dict[str, np.ndarray]], have: int, bsz: int, bucket: str,
              reservoir: list[tuple[str, dict[str, np.ndarray]]]) -> list[dict[str, np.ndarray]]:
-        """Fill a partial batch with marked duplicates of the epoch's first rows."""
+        """Fill a partial batch with marked duplicates of its own rows (an empty one: of the
+        epoch's first rows seen). Never of rows a restart may have skipped: the padding, like
+        the rest of the batch, must not depend on where the run resumed."""
         parts = list(parts)
         need = bsz - have
-        src = next((rows for b, rows in reservoir if b == bucket), reservoir[0][1])
+        if have:
+            src = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        else:
+            src = next((rows for b, rows in reservoir if b == bucket), reservoir[0][1])
         while need > 0:
             n = min(need, len(src["__seq__"]))
             pad = {k: v[:n].copy() for k, v in src.items()}
