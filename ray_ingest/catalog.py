@@ -320,15 +320,17 @@ def clear_catalog_cache() -> None:
         _CACHE.clear()
 
 
-def _content_tag(url: str, storage_options: dict[str, Any]) -> list[Any]:
-    """``[url, (field, value)...]``: size and version metadata of a wdinfo, without reading it."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+def _content_tag(url: str, storage_options: dict[str, Any]) -> list[Any] | None:
+    """``[url, (field, value)...]``: size and version metadata of a wdinfo, without reading it.
+
+    None when the metadata cannot be had: the catalog is then read (with retries) uncached.
+    """
     try:
+        fs, path = fsspec.core.url_to_fs(url, **storage_options)
         info = fs.info(path)
-    except FileNotFoundError:
-        raise CatalogError(f"{url}: wdinfo.json not found") from None
-    except OSError as exc:
-        raise CatalogError(f"{url}: cannot read wdinfo.json metadata ({exc})") from None
+    except Exception as exc:  # the cache is an optimisation: never fail over its metadata
+        log.debug("%s: no metadata for the catalog cache (%s)", url, exc)
+        return None
     return [url, *((k, str(info[k])) for k in _VERSION_FIELDS if info.get(k) is not None)]
 
 
@@ -363,11 +365,12 @@ def load_catalog(
             urls.extend(discover(p, so))
         resolved.append((info, so, urls))
     cache_key = None
-    if cache:
+    tags = [[_content_tag(u, so) for u in urls] for _, so, urls in resolved] if cache else []
+    if cache and all(t is not None for ts in tags for t in ts):
         cache_key = json.dumps(
             [list(keys) if keys else None,
-             [[attrs.asdict(info), sorted(so.items()), [_content_tag(u, so) for u in urls]]
-              for info, so, urls in resolved]],
+             [[attrs.asdict(info), sorted(so.items()), ts]
+              for (info, so, _), ts in zip(resolved, tags, strict=True)]],
             sort_keys=True, default=repr)
         with _CACHE_LOCK:
             hit = _CACHE.get(cache_key)
