@@ -282,13 +282,15 @@ class IngestLoader:
         bucket_rows: dict[str, int] = {}
         reservoir: list[tuple[str, dict[str, np.ndarray]]] = []
         step = done_batches
+        # batches of this epoch delivered on earlier topologies (equal on every slot)
+        earlier = sum(max(g.batches, default=0) for g in state.generations[:-1])
 
         def deliver(rows_parts: list[dict[str, np.ndarray]], bucket: str) -> Batch:
             nonlocal consumed, step
             t0 = time.perf_counter()
             cols = {k: np.concatenate([p[k] for p in rows_parts]) for k in rows_parts[0]}
             t1 = time.perf_counter()
-            batch = self._to_batch(cols, bucket, step)
+            batch = self._to_batch(cols, bucket, earlier + step)
             t2 = time.perf_counter()
             self.clock.assemble += t1 - t0
             self.clock.transfer += t2 - t1

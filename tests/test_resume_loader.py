@@ -197,6 +197,8 @@ def test_topology_change_replans_only_the_rest(ray_local, dataset, tmp_path):
     new = factory(dataset, world=3)
     after = {r: collect(new(state, r), 1) for r in range(3)}
     assert len({len(v) for v in after.values()}) == 1  # every new rank runs the same steps
+    # batch numbers continue the epoch's count on every new rank
+    assert all([b[1] for b in v] == list(range(4, 4 + len(v))) for v in after.values())
     resumed = new(state, 0).state
     assert len(resumed.generations) == 2 and resumed.current.slots == 3
     got = before + [b for v in after.values() for b in v]
