@@ -281,11 +281,19 @@ def skip_run(ray_local, damaged):
 
 
 @pytest.mark.ray
-def test_skip_records_every_bad_sample_with_its_reason(skip_run, damaged):
+def test_skip_records_every_bad_sample_with_its_reason(skip_run, damaged, remote_figures):
     delivered, skipped, loader = skip_run
     catalog = load_catalog([str(damaged)])
     want = expected_skips(catalog)
     got = {(s, i): reason for s, i, reason in skipped}
+    for kind, (_, shard, positions, _, _) in KINDS.items():  # per kind, for the figures table
+        sid = next(j for j, s in enumerate(catalog.shards) if s.path == rel(shard))
+        mine = [i for s, i in delivered if s == sid]
+        remote_figures.record(
+            kind=kind, layer="IngestLoader skip", faulted=len(positions),
+            skipped=sum(1 for s, _, _ in skipped if s == sid), samples=len(mine),
+            lost=len(set(range(SHARD_SIZE)) - set(positions) - set(mine)),
+            duplicated=len(mine) - len(set(mine)))
     assert len(got) == len(skipped), "a sample was skipped twice"
     assert set(got) == set(want)
     for (s, i), kind in want.items():
