@@ -53,6 +53,8 @@ def read_ledgers(folder: str) -> dict[int, RankLedger]:
     if not files:
         raise IngestError(f"{folder}: no rank_*.jsonl ledger files")
     out: dict[int, RankLedger] = {}
+    starts: list[tuple[float, int]] = []  # (time, resume step) of every (re)start, any rank
+    end_times: dict[tuple[int, int], float] = {}  # (rank, epoch) -> time of its epoch_end
     for name in files:
         path = os.path.join(folder, name)
         ledger: RankLedger | None = None
@@ -65,12 +67,27 @@ def read_ledgers(folder: str) -> dict[int, RankLedger]:
                 ledger.restarts += 1
                 ledger.batches = [b for b in ledger.batches if b["step"] <= resume]
                 ledger.epoch_ends = {e: s for e, s in ledger.epoch_ends.items() if s <= resume}
+                if "t" in rec:
+                    starts.append((float(rec["t"]), resume))
             elif rec.get("event") == "epoch_end":
                 ledger.epoch_ends[int(rec["epoch"])] = int(rec["step"])
+                if "t" in rec:
+                    end_times[(ledger.rank, int(rec["epoch"]))] = float(rec["t"])
             elif "keys" in rec:
                 ledger.batches.append(rec)
             else:
                 raise IngestError(f"{path}:{n}: unknown ledger record")
+
+    # A restart rolls back every rank, also ranks that did not come back (a re-run with fewer
+    # workers), whose files hold no later start: drop what was logged before a (re)start that
+    # resumed from an earlier step. Uses the records' "t" stamps (older ledgers lack them).
+    def rolled_back(t: float | None, step: int) -> bool:
+        return t is not None and any(ts > t and resume < step for ts, resume in starts)
+
+    for lg in out.values():
+        lg.batches = [b for b in lg.batches if not rolled_back(b.get("t"), b["step"])]
+        lg.epoch_ends = {e: s for e, s in lg.epoch_ends.items()
+                         if not rolled_back(end_times.get((lg.rank, e)), s)}
     return out
 
 

@@ -66,6 +66,8 @@ def parse_step_log(line: str) -> dict[str, Any] | None:
 
 
 def _ledger_append(path: str, record: dict[str, Any]) -> None:
+    # "t" (wall clock) lets the audit roll back ranks that a re-run with fewer workers lacks
+    record = {**record, "t": round(time.time(), 3)}
     with open(path, "a") as f:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
 

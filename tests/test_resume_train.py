@@ -2,7 +2,7 @@
 
 One run name, three trainer runs, each adding one way to stop and come back:
 
-1. 2 workers in one parallel group (group_size 2): a worker fails right after step 6's
+1. 2 workers in one parallel group (group_size 2): a worker fails right after step 4's
    checkpoint (FailureConfig(max_failures=1) restarts the group), then the run stops at
    ``--max-steps`` in the middle of epoch 1;
 2. re-run with the same name and storage path: resumes mid-epoch 1, stops mid-epoch 2;
@@ -23,13 +23,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from ray_ingest.audit import audit as audit_epochs
+from ray_ingest.audit import read_ledgers
+from ray_ingest.catalog import Catalog, TarSample
 from ray_ingest.cli.main import cli
 from ray_ingest.plan.state import ReadState
 from ray_ingest.synth import synth_dataset
 
-pytestmark = [pytest.mark.ray, pytest.mark.train]
-
-SAMPLES, SHARD, BATCH = 120, 20, 8  # 6 shards; one slot reads 15 batches per epoch
+SAMPLES, SHARD, BATCH = 80, 20, 8  # 4 shards; one slot reads 10 batches per epoch
 PER_EPOCH = SAMPLES // BATCH
 
 
@@ -63,6 +64,7 @@ def train(job, *args: str) -> None:
 def audit(job, *args: str) -> tuple[int, list[dict]]:
     res = CliRunner().invoke(cli, ["audit", job["audit"], "--data", job["data"], *args])
     assert res.exception is None or isinstance(res.exception, SystemExit), res.output
+    print(f"ray-ingest audit {' '.join(args)} -> exit {res.exit_code}\n{res.output}")
     return res.exit_code, [json.loads(line) for line in res.output.splitlines() if line.strip()]
 
 
@@ -96,35 +98,37 @@ def latest_states(job) -> dict[str, ReadState]:
     return states
 
 
+@pytest.mark.ray
+@pytest.mark.train
 def test_failure_rerun_and_topology_change_are_exactly_once(ray_local, job):
-    # 1. a worker fails after step 6; the group restarts from that checkpoint; stop at step 20
+    # 1. a worker fails after step 4; the group restarts from that checkpoint; stop at step 13
     train(job, "--num-workers", "2", "--group-size", "2", "--epochs", "3",
-          "--max-steps", "20", "--fail-at-step", "6")
+          "--max-steps", "13", "--fail-at-step", "4")
     assert os.path.exists(os.path.join(job["storage"], f"{job['name']}.failed_once"))
     starts = {r: [x for x in recs if x.get("event") == "start"] for r, recs in ledger(job).items()}
-    assert {r: [s["resume_step"] for s in v] for r, v in starts.items()} == {0: [0, 6], 1: [0, 6]}
+    assert {r: [s["resume_step"] for s in v] for r, v in starts.items()} == {0: [0, 4], 1: [0, 4]}
     code, reports = audit(job)
     assert code == 0, reports
     assert [r["epoch"] for r in reports] == [0, 1]
     check_exactly_once(reports[0])
-    assert not reports[1]["complete"] and reports[1]["distinct"] == 5 * BATCH
+    assert not reports[1]["complete"] and reports[1]["distinct"] == 3 * BATCH
     states = latest_states(job)
     assert list(states) == ["rank_00000.json", "rank_00001.json"]
     assert states["rank_00000.json"] == states["rank_00001.json"]  # one group: identical state
     st = states["rank_00000.json"]
-    assert (st.epoch, st.current.batches, st.current.consumed) == (1, (5,), (((0, 40),),))
+    assert (st.epoch, st.current.batches, st.current.consumed) == (1, (3,), (((0, 24),),))
     # --step/--rank: what a rank trained on at a step, after the rollback of the failure
-    code, [row] = audit(job, "--step", "7", "--rank", "1")
-    kept = [b for b in ledger(job)[0] if b.get("step") == 7][-1]
+    code, [row] = audit(job, "--step", "5", "--rank", "1")
+    kept = [b for b in ledger(job)[0] if b.get("step") == 5][-1]
     assert code == 0 and row["keys"] == kept["keys"] and row["epoch"] == 0
 
     # 2. re-run with the same name: resume mid-epoch 1 from the last checkpoint
-    train(job, "--num-workers", "2", "--group-size", "2", "--epochs", "3", "--max-steps", "34")
+    train(job, "--num-workers", "2", "--group-size", "2", "--epochs", "3", "--max-steps", "23")
     code, reports = audit(job)
     assert code == 0, reports
     check_exactly_once(reports[0])
     check_exactly_once(reports[1])
-    assert not reports[2]["complete"] and reports[2]["distinct"] == 4 * BATCH
+    assert not reports[2]["complete"] and reports[2]["distinct"] == 3 * BATCH
 
     # 3. re-run with 4 workers (2 groups of 2): the rest of epoch 2 is re-planned on 2 slots
     train(job, "--num-workers", "4", "--group-size", "2", "--epochs", "3", "--max-steps", "1000")
@@ -135,9 +139,11 @@ def test_failure_rerun_and_topology_change_are_exactly_once(ray_local, job):
         check_exactly_once(report)
     recs = ledger(job)
     assert sorted(recs) == [0, 1, 2, 3]
-    after = {r: [b for b in v if "keys" in b and b["step"] > 34] for r, v in recs.items()}
-    # the 88 unconsumed samples of epoch 2, balanced over 2 slots: 44 each -> 6 batches each
-    assert {r: len(v) for r, v in after.items()} == {0: 6, 1: 6, 2: 6, 3: 6}
+    after = {r: [b for b in v if "keys" in b and b["step"] > 23] for r, v in recs.items()}
+    # the 56 unconsumed samples of epoch 2, balanced over 2 slots: 28 each -> 4 batches each,
+    # numbered on from the 3 batches epoch 2 had before
+    assert {r: len(v) for r, v in after.items()} == {0: 4, 1: 4, 2: 4, 3: 4}
+    assert all([b["batch"] for b in v] == list(range(3, 7)) for v in after.values())
     assert [b["keys"] for b in after[0]] == [b["keys"] for b in after[1]]
     assert [b["keys"] for b in after[2]] == [b["keys"] for b in after[3]]
     assert [b["keys"] for b in after[0]] != [b["keys"] for b in after[2]]
@@ -146,3 +152,36 @@ def test_failure_rerun_and_topology_change_are_exactly_once(ray_local, job):
     assert states["rank_00000.json"] == states["rank_00001.json"]
     assert states["rank_00002.json"] == states["rank_00003.json"]
     assert all(s.epoch == 3 for s in states.values())
+
+
+def test_audit_rolls_back_ranks_that_did_not_come_back(tmp_path):
+    """2 ranks crash after the step-2 checkpoint; the re-run has 1 rank. Rank 1's step 3 was
+    rolled back too, although rank 1 never logged a restart (no trainer: a written ledger)."""
+    catalog = Catalog(shards=tuple(TarSample(f"{i}.tar", "/d", ("image",), 4) for i in (0, 1)),
+                      wdinfos=(), chunk_size=4, keys=("image",))
+    clock = iter(range(100))
+
+    def batch(rank, slot, step, sid, idx):
+        return {"epoch": 0, "step": step, "rank": rank, "slot": slot, "batch": step - 1,
+                "keys": [f"k{sid}{idx}"], "sids": [sid], "indices": [idx], "pads": [False],
+                "skipped": [], "t": next(clock)}
+
+    def start(rank, world, resume):
+        return {"event": "start", "rank": rank, "world": world, "slot": rank,
+                "resume_step": resume, "epoch": 0, "t": next(clock)}
+
+    r0 = [start(0, 2, 0)]
+    r1 = [start(1, 2, 0)]
+    for step in (1, 2, 3):  # each slot reads its own shard; the checkpoint is at step 2
+        r0.append(batch(0, 0, step, 0, step - 1))
+        r1.append(batch(1, 1, step, 1, step - 1))
+    r0.append(start(0, 1, 2))  # crash; re-run with 1 rank re-plans the 4 unconsumed samples
+    for step, (sid, idx) in zip(range(3, 7), [(0, 2), (0, 3), (1, 2), (1, 3)], strict=True):
+        r0.append(batch(0, 0, step, sid, idx))
+    r0.append({"event": "epoch_end", "epoch": 0, "rank": 0, "step": 6, "t": next(clock)})
+    for rank, recs in ((0, r0), (1, r1)):
+        (tmp_path / f"rank_{rank:05d}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in recs))
+    [report] = audit_epochs(read_ledgers(str(tmp_path)), catalog)
+    assert (report["seen"], report["duplicated"], report["missing"]) == (8, 0, 0), report
+    assert report["complete"] and report["exactly_once"]
