@@ -179,14 +179,33 @@ class IngestLoader:
         if not os.path.isdir(folder):
             return None
         states = []
+        slots_seen: set[int] = set()
         for name in sorted(os.listdir(folder)):
             if name.endswith(".json"):
                 with open(os.path.join(folder, name)) as f:
                     try:
-                        states.append(ReadState.from_dict(json.load(f)))
+                        state = ReadState.from_dict(json.load(f))
                     except json.JSONDecodeError as exc:
                         raise StateError(f"{folder}/{name}: malformed JSON ({exc})") from None
-        return merge_slot_states(states) if states else None
+                    except StateError as exc:
+                        raise StateError(f"{folder}/{name}: {exc}") from None
+                states.append(state)
+                rank = name[len("rank_"):-len(".json")]
+                if name.startswith("rank_") and rank.isdigit():
+                    slots_seen.add(int(rank) // state.current.group_size)
+        if not states:
+            return None
+        merged = merge_slot_states(states)
+        # Every rank saves only its own slot's progress: a slot without any file would silently
+        # re-read what it consumed (e.g. a checkpoint written by rank 0 alone).
+        missing = sorted(set(range(merged.current.slots)) - slots_seen)
+        if missing:
+            group = merged.current.group_size
+            names = ", ".join(os.path.basename(state_file(s * group + i))
+                              for s in missing for i in range(group))
+            raise StateError(f"{folder}: no read state for slot(s) {missing} (expected one of "
+                             f"{names}); every rank must save its file into the checkpoint")
+        return merged
 
     def save(self, checkpoint_dir: str) -> str:
         """Write this rank's state file into a checkpoint folder; returns its path."""

@@ -245,3 +245,22 @@ def test_pid_start_index_is_a_starting_point(ray_local, dataset, tmp_path):
     assert real_samples(base[0], 1) == want
     assert real_samples(base[0], 2) == every_sample()  # the next epoch reads everything
     run_save_load(make, 4, tmp_path, epochs=3, baseline=base)
+
+
+def test_restore_needs_a_file_for_every_slot(dataset, tmp_path):
+    """A checkpoint missing a slot's rank files cannot resume exactly: that slot's progress
+    would be lost and its samples read twice. Bad files are named."""
+    for r in (0, 1):
+        factory(dataset, world=2)(None, r).save(str(tmp_path / "two_slots"))
+        factory(dataset, world=2, group=2)(None, r).save(str(tmp_path / "one_group"))
+    folder = tmp_path / "two_slots" / "ingest_state"
+    (folder / "rank_00001.json").unlink()
+    with pytest.raises(StateError, match=r"slot\(s\) \[1\].*rank_00001\.json"):
+        IngestLoader.restore_state(str(tmp_path / "two_slots"))
+    (folder / "rank_00001.json").write_text('{"kind": "other"}')
+    with pytest.raises(StateError, match=r"rank_00001\.json: read state field 'kind'"):
+        IngestLoader.restore_state(str(tmp_path / "two_slots"))
+    # one parallel group: either rank's file holds the slot's state
+    (tmp_path / "one_group" / "ingest_state" / "rank_00000.json").unlink()
+    assert IngestLoader.restore_state(str(tmp_path / "one_group")).current.slots == 1
+    assert IngestLoader.restore_state(str(tmp_path / "none")) is None
