@@ -156,11 +156,11 @@ class IngestLoader:
         self.device = device
         if state is None:
             state = initial_state(self.catalog.fingerprint, self.params, start_epoch, topology,
-                                  self.catalog.fingerprint_doc())
+                                  self.catalog.fingerprint_doc(), cfg.loader.batch_size)
         else:
             state.check_compatible(self.catalog.fingerprint, self.params,
                                    self.catalog.describe_change)
-            state = with_topology(state, topology)
+            state = with_topology(state, topology, cfg.loader.batch_size)
         self.state = state
         self.clock = StageClock()
         self.data_stats: list[str] = []
@@ -403,7 +403,7 @@ class IngestLoader:
                 break
             bucket = reservoir[0][0]
             yield deliver(self._pad([], 0, bsz, bucket, reservoir), bucket)
-        self.state = next_epoch(self.state, topo)
+        self.state = next_epoch(self.state, topo, bsz)
 
     def _check_budget(self, sid: int, in_shard: int, in_epoch: int, reason: str) -> None:
         lc = self.cfg.loader

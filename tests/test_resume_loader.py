@@ -264,3 +264,17 @@ def test_restore_needs_a_file_for_every_slot(dataset, tmp_path):
     (tmp_path / "one_group" / "ingest_state" / "rank_00000.json").unlink()
     assert IngestLoader.restore_state(str(tmp_path / "one_group")).current.slots == 1
     assert IngestLoader.restore_state(str(tmp_path / "none")) is None
+
+
+def test_resume_with_another_batch_size_is_exactly_once(ray_local, dataset, tmp_path):
+    """Same topology, batch 8 -> 20: the rest of the epoch is re-planned in batches of 20."""
+    loader = factory(dataset)(None, 0)
+    before = collect(loader, 1, 5)
+    loader.save(str(tmp_path))
+    state = IngestLoader.restore_state(str(tmp_path))
+    cfg = make_cfg(dataset, batch_size=20)
+    resumed = IngestLoader(cfg, Topology(world_size=1, num_workers=2), state=state)
+    after = collect(resumed, 1)
+    assert real_samples(before + after, 0) == every_sample()
+    assert [len(b[2]) for b in after] == [20] * 6  # 110 samples left: 6 batches, the last padded
+    assert [b[1] for b in after] == list(range(5, 11))

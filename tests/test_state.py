@@ -66,10 +66,10 @@ def canonical(ranges) -> bool:
 
 
 def rich_state() -> ReadState:
-    s = state_for(PARAMS["epoch-repeat"], topo(4, 2, 2), epoch=3)
+    s = initial_state(FP, PARAMS["epoch-repeat"], 3, topo(4, 2, 2), {"num_shards": 11}, 16)
     s = with_progress(s, 0, ((0, 16), (20, 24)), 3, [(4, 2, "decode: bad jpeg")])
     s = with_progress(s, 1, ((0, 8),), 1)
-    s = with_topology(s, topo(3, 1, 1))
+    s = with_topology(s, topo(3, 1, 1), 8)
     s = with_progress(s, 2, ((0, 5),), 1, [(9, 0, "read: OSError")])
     return s
 
@@ -111,6 +111,7 @@ def test_round_trip_initial_state():
         (lambda d: d["generations"][0]["consumed"].pop(), "'generations[0].consumed'"),
         (lambda d: d["generations"][0].update(batches=[1]), "'generations[0].batches'"),
         (lambda d: d["generations"][0].update(batches=[1, -2]), "'generations[0].batches[1]'"),
+        (lambda d: d["generations"][1].update(batch_size=-8), "'generations[1].batch_size'"),
         (lambda d: d["generations"][0]["consumed"][0].append([10, 30]),
          "'generations[0].consumed[0]'"),
         (lambda d: d["generations"][0]["consumed"][1].__setitem__(0, [5, 5]),
@@ -282,6 +283,26 @@ def test_slot_stream_matches_the_plan():
     assert [slot_stream(s2, COUNTS, CHUNK, i) for i in range(2)] == replanned
     assert generation_streams(s2, COUNTS, CHUNK, upto=0) == plan_epoch(COUNTS, CHUNK, 3, 2,
                                                                         params, 2)
+
+
+def test_a_batch_size_change_starts_a_generation():
+    """Batch counts are in the generation's batch size: another size re-plans the rest."""
+    s = initial_state(FP, PARAMS["epoch-equal"], 0, topo(2, 2), {}, batch_size=8)
+    s = with_progress(s, 0, ((0, 16),), 2)
+    assert with_topology(s, topo(2, 2), 8) is s
+    assert with_topology(s, topo(2, 2)) is s  # size not given: unknown, keep
+    moved = with_topology(s, topo(2, 2), 16)
+    assert len(moved.generations) == 2 and moved.current.batch_size == 16
+    assert tally(moved, COUNTS, final_all=True) == every_sample(COUNTS)
+    assert next_epoch(moved, topo(2, 2)).current.batch_size == 16
+    assert next_epoch(moved, topo(2, 2), 4).current.batch_size == 4
+    # a state saved before batch sizes were recorded: unknown, never a reason to re-plan
+    doc = s.to_dict()
+    for g in doc["generations"]:
+        del g["batch_size"]
+    legacy = ReadState.from_dict(doc)
+    assert legacy.current.batch_size == 0
+    assert with_topology(legacy, topo(2, 2), 16) is legacy
 
 
 def test_with_topology_same_topology_keeps_the_generation():

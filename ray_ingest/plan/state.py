@@ -94,6 +94,8 @@ class Generation:
     consumed: tuple[Ranges, ...]
     #: Per slot: batches delivered in this generation (keeps per-rank batch counts equal).
     batches: tuple[int, ...] = ()
+    #: Samples per batch these counts are in (0: unknown, a state saved before it was recorded).
+    batch_size: int = 0
 
     @property
     def slots(self) -> int:
@@ -104,9 +106,10 @@ class Generation:
             topo.world_size, topo.group_size, topo.num_workers)
 
     @classmethod
-    def fresh(cls, topo: Topology) -> Generation:
+    def fresh(cls, topo: Topology, batch_size: int = 0) -> Generation:
         return cls(topo.world_size, topo.group_size, topo.num_workers,
-                   tuple(() for _ in range(topo.slots)), tuple(0 for _ in range(topo.slots)))
+                   tuple(() for _ in range(topo.slots)), tuple(0 for _ in range(topo.slots)),
+                   batch_size)
 
 
 @attrs.frozen
@@ -149,7 +152,7 @@ class ReadState:
                 {"world_size": g.world_size, "group_size": g.group_size,
                  "num_workers": g.num_workers,
                  "consumed": [[list(r) for r in rs] for rs in g.consumed],
-                 "batches": list(g.batches)}
+                 "batches": list(g.batches), "batch_size": g.batch_size}
                 for g in self.generations
             ],
             "skips": [list(s) for s in self.skips],
@@ -286,7 +289,8 @@ def _generation(doc: Any, where: str) -> Generation:
             raise StateError(f"read state field '{where}batches[{s}]': expected an int >= 0, "
                              f"got {b!r}")
         batches.append(b)
-    return Generation(world, group, workers, tuple(consumed), tuple(batches))
+    batch_size = _int(doc, "batch_size", where, 0) if "batch_size" in doc else 0
+    return Generation(world, group, workers, tuple(consumed), tuple(batches), batch_size)
 
 
 def params_dict(params: PlanParams) -> dict[str, Any]:
@@ -296,27 +300,33 @@ def params_dict(params: PlanParams) -> dict[str, Any]:
 
 
 def initial_state(fingerprint: str, params: PlanParams, epoch: int, topo: Topology,
-                  dataset: Mapping[str, Any] | None = None) -> ReadState:
+                  dataset: Mapping[str, Any] | None = None, batch_size: int = 0) -> ReadState:
     plan = {k: v for k, v in params_dict(params).items() if k not in ("seed", "seed_mode")}
     return ReadState(fingerprint=fingerprint, seed=params.seed, seed_mode=params.seed_mode,
-                     plan=plan, epoch=epoch, generations=(Generation.fresh(topo),),
+                     plan=plan, epoch=epoch, generations=(Generation.fresh(topo, batch_size),),
                      dataset=dict(dataset or {}))
 
 
-def next_epoch(state: ReadState, topo: Topology) -> ReadState:
+def next_epoch(state: ReadState, topo: Topology, batch_size: int | None = None) -> ReadState:
     """The state at the start of the following epoch (on the current topology).
 
     A PiD start index applies to the epoch it started in only: the next epoch reads everything.
     """
-    return attrs.evolve(state, epoch=state.epoch + 1, generations=(Generation.fresh(topo),),
+    bsz = state.current.batch_size if batch_size is None else batch_size
+    return attrs.evolve(state, epoch=state.epoch + 1,
+                        generations=(Generation.fresh(topo, bsz),),
                         skips=(), plan={**state.plan, "start_index": 0})
 
 
-def with_topology(state: ReadState, topo: Topology) -> ReadState:
-    """Continue ``state`` on ``topo``: a new generation when the topology changed."""
-    if state.current.same_topology(topo):
+def with_topology(state: ReadState, topo: Topology, batch_size: int = 0) -> ReadState:
+    """Continue ``state`` on ``topo``: a new generation when the topology changed, or the batch
+    size (the generation's batch counts are in its batch size; 0 means unknown)."""
+    cur = state.current
+    if cur.same_topology(topo) and (not batch_size or not cur.batch_size
+                                    or batch_size == cur.batch_size):
         return state
-    return attrs.evolve(state, generations=(*state.generations, Generation.fresh(topo)))
+    return attrs.evolve(state, generations=(*state.generations,
+                                            Generation.fresh(topo, batch_size)))
 
 
 def subtract(stream: Sequence[ShardSlice], consumed: Ranges) -> list[tuple[int, ShardSlice]]:
