@@ -25,7 +25,7 @@ import numpy as np
 
 from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.config import Config
-from ray_ingest.errors import IngestError, SkipBudgetExceeded, StateError
+from ray_ingest.errors import ConfigError, IngestError, SkipBudgetExceeded, StateError
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.slices import ShardSlice
 from ray_ingest.plan.state import (
@@ -146,6 +146,11 @@ class IngestLoader:
     def __init__(self, cfg: Config, topology: Topology, catalog: Catalog | None = None,
                  state: ReadState | None = None, device: Any = None, start_index: int = 0,
                  start_epoch: int = 0):
+        if topology.group_size > 1 and not cfg.loader.ordered:
+            # unordered delivery differs between the ranks of a group: their batches and read
+            # states would diverge, and the merged state would skip what only one rank saw
+            raise ConfigError(f"loader.ordered: expected true with parallel groups "
+                              f"(group_size {topology.group_size}), got false")
         self.cfg = cfg
         self.topology = topology
         self.catalog = catalog or load_catalog(list(cfg.data.paths), keys=cfg.data.keys,

@@ -17,7 +17,7 @@ import pytest
 
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
-from ray_ingest.errors import StateError
+from ray_ingest.errors import ConfigError, StateError
 from ray_ingest.plan import PlanParams, iter_samples, pid_env_start, plan_slot
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
@@ -278,3 +278,10 @@ def test_resume_with_another_batch_size_is_exactly_once(ray_local, dataset, tmp_
     assert real_samples(before + after, 0) == every_sample()
     assert [len(b[2]) for b in after] == [20] * 6  # 110 samples left: 6 batches, the last padded
     assert [b[1] for b in after] == list(range(5, 11))
+
+
+def test_parallel_groups_need_ordered_delivery(dataset):
+    """Unordered ranks of one group would see different batches and save diverging states."""
+    with pytest.raises(ConfigError, match=r"loader.ordered: expected true .*group_size 2"):
+        factory(dataset, world=4, group=2, ordered=False)(None, 0)
+    factory(dataset, world=4, group=1, ordered=False)(None, 0)  # independent slots: fine
