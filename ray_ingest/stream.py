@@ -48,6 +48,8 @@ from ray_ingest.source import ReadItem
 log = logging.getLogger(__name__)
 
 STATE_DIR = "ingest_state"
+#: Epochs whose Ray Data stats text :attr:`IngestLoader.data_stats` keeps (the last ones).
+DATA_STATS_KEPT = 4
 
 
 def state_file(rank: int) -> str:
@@ -67,10 +69,21 @@ def read_options(cfg: Config) -> ReadOptions:
                        storage_options=dict(dc.storage_options))
 
 
-def read_items(stream: Sequence[ShardSlice], consumed: Ranges) -> list[ReadItem]:
-    """Unconsumed parts of a slot stream as read tasks (stream positions kept)."""
-    return [ReadItem(seq, sl.shard, sl.start, sl.count, sl.pad)
-            for seq, sl in subtract(stream, consumed)]
+def read_items(stream: Sequence[ShardSlice], consumed: Ranges,
+               max_rows: int | None = None) -> list[ReadItem]:
+    """Unconsumed parts of a slot stream as read tasks (stream positions kept).
+
+    With ``max_rows`` a slice is cut into tasks of at most that many samples: each task is one
+    block, so decoding starts after the first block instead of after a whole shard (only valid
+    for positional alignment, where a task can seek straight to its first sample).
+    """
+    out = []
+    for seq, sl in subtract(stream, consumed):
+        step = max_rows or sl.count
+        for off in range(0, sl.count, step):
+            n = min(step, sl.count - off)
+            out.append(ReadItem(seq + off, sl.shard, sl.start + off, n, sl.pad))
+    return out
 
 
 def bucket_of_shards(catalog: Catalog, buckets: Sequence[str]) -> list[str]:
@@ -146,6 +159,8 @@ class IngestLoader:
     def __init__(self, cfg: Config, topology: Topology, catalog: Catalog | None = None,
                  state: ReadState | None = None, device: Any = None, start_index: int = 0,
                  start_epoch: int = 0):
+        import torch  # noqa: F401 - imported here, not on the first batch of the hot path
+
         if topology.group_size > 1 and not cfg.loader.ordered:
             # unordered delivery differs between the ranks of a group: their batches and read
             # states would diverge, and the merged state would skip what only one rank saw
@@ -292,7 +307,8 @@ class IngestLoader:
             total_batches = math.ceil(sum(sl.count for sl in stream) / bsz)
         consumed = gen.consumed[slot]
         done_batches = gen.batches[slot]
-        items = read_items(stream, consumed)
+        items = read_items(stream, consumed,
+                           cfg.loader.block_rows if cfg.data.align == "strict" else None)
         log.info("rank %d slot %d epoch %d: %d read tasks, %d/%d batches done",
                  topo.rank, slot, state.epoch, len(items), done_batches, total_batches)
         skips_epoch = len(state.skips)
@@ -345,9 +361,11 @@ class IngestLoader:
             return out, rest
 
         if step < total_batches and items:
+            t0 = time.perf_counter()
             ds = self._pipeline(items)
             it = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
                                       prefetch_batches=cfg.loader.prefetch_batches))
+            self.clock.wait += time.perf_counter() - t0  # building the pipeline blocks the loop too
             while True:
                 t0 = time.perf_counter()
                 try:
@@ -359,6 +377,7 @@ class IngestLoader:
                     raise cause from None  # one line naming shard, index/key and reason
                 self.clock.wait += time.perf_counter() - t0
                 if block is None:
+                    self._keep_data_stats(ds)
                     break
                 if "__actor__" in block and len(block["__actor__"]):
                     self.actors_seen.update(set(block["__actor__"].tolist()))
@@ -409,6 +428,14 @@ class IngestLoader:
             bucket = reservoir[0][0]
             yield deliver(self._pad([], 0, bsz, bucket, reservoir), bucket)
         self.state = next_epoch(self.state, topo, bsz)
+
+    def _keep_data_stats(self, ds: Any) -> None:
+        """Keep Ray Data's ``ds.stats()`` text of the finished epoch (``data_stats[-1]``)."""
+        try:
+            self.data_stats.append(ds.stats())
+        except Exception as exc:  # diagnostics only: never fail an epoch over them
+            log.warning("rank %d: Ray Data stats unavailable: %s", self.topology.rank, exc)
+        del self.data_stats[:-DATA_STATS_KEPT]
 
     def _check_budget(self, sid: int, in_shard: int, in_epoch: int, reason: str) -> None:
         lc = self.cfg.loader
