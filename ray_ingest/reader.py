@@ -112,12 +112,13 @@ def _position(f: BinaryIO, url: str, start: int, opts: ReadOptions) -> tuple[int
     if idx is not None and idx.tar_size >= 0 and idx.tar_size != _size(f):
         idx = None  # stale index (the tar was rewritten): stream instead
     if idx is not None:
-        named = [i for i, k in enumerate(idx.keys) if k is not None]
+        keys = idx.keys  # derived from the names: compute once, not per member
+        named = [i for i, k in enumerate(keys) if k is not None]
         if start < len(named):
             off = idx.offsets[named[start]]
             if f.seekable():
                 f.seek(off)
-                passed = [idx.keys[i] for i in named[:start]]
+                passed = [keys[i] for i in named[:start]]
                 return off, passed  # type: ignore[return-value]
     passed: list[str] = []
     pos = 0
