@@ -152,6 +152,9 @@ class LoaderConfig:
     read_workers: int = attrs.field(default=2, validator=_at_least(1))
     #: Logical CPUs per read task.
     read_num_cpus: float = attrs.field(default=0.25, validator=_at_least(0.0))
+    #: Read tasks in flight per rank. Bounded on purpose: with fractional CPUs Ray would
+    #: otherwise start dozens of worker processes (each importing ray.data) before decoding.
+    read_concurrency: int = attrs.field(default=2, validator=_at_least(1))
     #: Samples per read task and per Arrow block (strict alignment cuts shards into tasks of
     #: this size so decode overlaps reading; other modes read whole slices in such blocks).
     block_rows: int = attrs.field(default=64, validator=_at_least(1))

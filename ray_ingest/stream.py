@@ -267,6 +267,7 @@ class IngestLoader:
         source = TwinTarDatasource(self.catalog.shards, items, read_options(cfg),
                                    block_rows=cfg.loader.block_rows, on_error=cfg.loader.on_error)
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
+                                      concurrency=cfg.loader.read_concurrency,
                                       override_num_blocks=max(1, len(items)), **read_kw)
         ds = ds.map_batches(
             Decoder,
