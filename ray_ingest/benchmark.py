@@ -45,6 +45,11 @@ def shard_urls(root: str, modality: str) -> list[str]:
 
 
 # --- contenders --------------------------------------------------------------------------
+#: Samples per read task / block for ``ours`` (``--block-rows``): per-task overhead dominates at
+#: 32 on 2 cores; one task per 100-sample shard measured fastest (docs/benchmarks.md).
+BLOCK_ROWS = [100]
+
+
 def run_ours(root: str, res: int, batch: int, cores: int) -> Iterator[int]:
     from ray_ingest.config import config_from_dict
     from ray_ingest.plan.topology import Topology
@@ -53,7 +58,7 @@ def run_ours(root: str, res: int, batch: int, cores: int) -> Iterator[int]:
     cfg = config_from_dict({
         "data": {"paths": [root]},
         "decode": {"resolution": res, "pool_min": cores, "pool_max": cores, "num_cpus": 0.5},
-        "loader": {"batch_size": batch, "read_workers": 1, "block_rows": 32,
+        "loader": {"batch_size": batch, "read_workers": 1, "block_rows": BLOCK_ROWS[0],
                    "prefetch_batches": 4, "read_num_cpus": 0.25, "ordered": True},
     })
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
@@ -135,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
     p.add_argument("--only", default=",".join(CONTENDERS))
     p.add_argument("--json-out", default=None)
+    p.add_argument("--block-rows", type=int, default=100,
+                   help="ours: samples per read task and block (loader.block_rows)")
     return p
 
 
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
+    BLOCK_ROWS[0] = args.block_rows
     from ray_ingest.synth import synth_dataset
 
     if not os.path.exists(os.path.join(args.data, "wdinfo.json")):

@@ -18,6 +18,8 @@ import click
 @click.option("--cores", type=int, default=None, help="decode parallelism (default: cpu count)")
 @click.option("--only", default=None, help="comma list of ours,wds_dl,ray_wds,ceiling")
 @click.option("--json-out", default=None, help="write medians and runs as JSON here")
+@click.option("--block-rows", type=int, default=100, show_default=True,
+              help="ours: samples per read task and block")
 def command(**opts) -> None:
     """Throughput of ray_ingest vs baselines, same data, same sitting (prints ratios)."""
     from ray_ingest.benchmark import main
