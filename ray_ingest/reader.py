@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
@@ -80,15 +81,34 @@ def load_index_keys(path: str, shard: str | None = None,
     return keys
 
 
-def _read_index(url: str, storage_options: dict[str, Any], retry: Any = None) -> TarIndex | None:
+#: Parsed key indexes by tar URL, so the block-sized read tasks of one shard that run in the same
+#: worker fetch and parse ``<tar>.idx.json`` once, not once per task. Validated against the
+#: tar's size on every use, so a rewritten tar never uses a stale entry.
+_INDEX_CACHE: OrderedDict[str, tuple[TarIndex, tuple[str | None, ...], list[int]]] = OrderedDict()
+_INDEX_CACHE_SIZE = 256
+
+
+def _read_index(url: str, storage_options: dict[str, Any], retry: Any = None
+                ) -> tuple[TarIndex, tuple[str | None, ...], list[int]] | None:
+    """(index, member keys, positions of named members) of ``url``, or None without an index."""
+    hit = _INDEX_CACHE.get(url)
+    if hit is not None:
+        _INDEX_CACHE.move_to_end(url)
+        return hit
     try:
         raw = remote.read_bytes(index_url(url), storage_options, retry)
     except (FileNotFoundError, IngestError, OSError):
         return None
     try:
-        return TarIndex.from_dict(json.loads(raw), index_url(url))
+        idx = TarIndex.from_dict(json.loads(raw), index_url(url))
     except (ValueError, TarFormatError):
         return None  # a broken index only costs speed: fall back to streaming
+    keys = idx.keys  # derived from the names: compute once per index
+    entry = (idx, keys, [i for i, k in enumerate(keys) if k is not None])
+    _INDEX_CACHE[url] = entry
+    if len(_INDEX_CACHE) > _INDEX_CACHE_SIZE:
+        _INDEX_CACHE.popitem(last=False)
+    return entry
 
 
 def _size(f: BinaryIO) -> int | None:
@@ -108,12 +128,12 @@ def _position(f: BinaryIO, url: str, start: int, opts: ReadOptions) -> tuple[int
     """Move ``f`` to named member ``start``; return (byte offset, keys passed over)."""
     if start <= 0:
         return 0, []
-    idx = _read_index(url, opts.storage_options, opts.retry) if opts.use_index else None
-    if idx is not None and idx.tar_size >= 0 and idx.tar_size != _size(f):
-        idx = None  # stale index (the tar was rewritten): stream instead
-    if idx is not None:
-        keys = idx.keys  # derived from the names: compute once, not per member
-        named = [i for i, k in enumerate(keys) if k is not None]
+    entry = _read_index(url, opts.storage_options, opts.retry) if opts.use_index else None
+    if entry is not None and entry[0].tar_size >= 0 and entry[0].tar_size != _size(f):
+        _INDEX_CACHE.pop(url, None)
+        entry = None  # stale index (the tar was rewritten): stream instead
+    if entry is not None:
+        idx, keys, named = entry
         if start < len(named):
             off = idx.offsets[named[start]]
             if f.seekable():
