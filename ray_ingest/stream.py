@@ -367,55 +367,62 @@ class IngestLoader:
             it = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
                                       prefetch_batches=cfg.loader.prefetch_batches))
             self.clock.wait += time.perf_counter() - t0  # building the pipeline blocks the loop too
-            while True:
-                t0 = time.perf_counter()
-                try:
-                    block = next(it, None)
-                except Exception as exc:
-                    cause = _ingest_cause(exc)
-                    if cause is None:
-                        raise
-                    raise cause from None  # one line naming shard, index/key and reason
-                self.clock.wait += time.perf_counter() - t0
-                if block is None:
-                    self._keep_data_stats(ds)
-                    break
-                if "__actor__" in block and len(block["__actor__"]):
-                    self.actors_seen.update(set(block["__actor__"].tolist()))
-                errors = block["__error__"]
-                bad = np.flatnonzero(errors != "") if len(errors) else np.array([], int)
-                if bad.size:
-                    for i in bad:
-                        sid, idx = int(block["__sid__"][i]), int(block["__index__"][i])
-                        new_skips.append((sid, idx, str(errors[i])))
-                        kind = _skip_kind(str(errors[i]))
-                        self.skips_by_kind[kind] = self.skips_by_kind.get(kind, 0) + 1
-                        log.warning("rank %d: skip shard %s key %s index %d: %s", topo.rank,
-                                    self.catalog.shards[sid].path, block["__key__"][i] or "?",
-                                    idx, errors[i])
-                        pending.append(int(block["__seq__"][i]))
-                        skips_epoch += 1
-                        skips_shard[sid] = skips_shard.get(sid, 0) + 1
-                        self._check_budget(sid, skips_shard[sid], skips_epoch, str(errors[i]))
-                    good = np.flatnonzero(errors == "")
-                    block = {k: v[good] for k, v in block.items()}
-                if not len(block["__seq__"]):
-                    continue
-                block.pop("__actor__", None)
-                block.pop("__error__", None)
-                self.clock.read += float(block.pop("__t_read__").sum())
-                self.clock.decode += float(block.pop("__t_decode__").sum())
-                groups = self._split_groups(block)
-                for bucket, part in groups:
-                    if all(b != bucket for b, _ in reservoir):
-                        reservoir.append((bucket, {k: v[:bsz].copy() for k, v in part.items()}))
-                    buckets.setdefault(bucket, []).append(part)
-                    bucket_rows[bucket] = bucket_rows.get(bucket, 0) + len(part["__seq__"])
-                    while bucket_rows[bucket] >= bsz and step < total_batches:
-                        out, rest = take(buckets[bucket], bsz)
-                        buckets[bucket] = rest
-                        bucket_rows[bucket] -= bsz
-                        yield deliver(out, bucket)
+            try:
+                while True:
+                    t0 = time.perf_counter()
+                    try:
+                        block = next(it, None)
+                    except Exception as exc:
+                        cause = _ingest_cause(exc)
+                        if cause is None:
+                            raise
+                        raise cause from None  # one line naming shard, index/key and reason
+                    self.clock.wait += time.perf_counter() - t0
+                    if block is None:
+                        self._keep_data_stats(ds)
+                        break
+                    if "__actor__" in block and len(block["__actor__"]):
+                        self.actors_seen.update(set(block["__actor__"].tolist()))
+                    errors = block["__error__"]
+                    bad = np.flatnonzero(errors != "") if len(errors) else np.array([], int)
+                    if bad.size:
+                        for i in bad:
+                            sid, idx = int(block["__sid__"][i]), int(block["__index__"][i])
+                            new_skips.append((sid, idx, str(errors[i])))
+                            kind = _skip_kind(str(errors[i]))
+                            self.skips_by_kind[kind] = self.skips_by_kind.get(kind, 0) + 1
+                            log.warning("rank %d: skip shard %s key %s index %d: %s", topo.rank,
+                                        self.catalog.shards[sid].path, block["__key__"][i] or "?",
+                                        idx, errors[i])
+                            pending.append(int(block["__seq__"][i]))
+                            skips_epoch += 1
+                            skips_shard[sid] = skips_shard.get(sid, 0) + 1
+                            self._check_budget(sid, skips_shard[sid], skips_epoch, str(errors[i]))
+                        good = np.flatnonzero(errors == "")
+                        block = {k: v[good] for k, v in block.items()}
+                    if not len(block["__seq__"]):
+                        continue
+                    block.pop("__actor__", None)
+                    block.pop("__error__", None)
+                    self.clock.read += float(block.pop("__t_read__").sum())
+                    self.clock.decode += float(block.pop("__t_decode__").sum())
+                    groups = self._split_groups(block)
+                    for bucket, part in groups:
+                        if all(b != bucket for b, _ in reservoir):
+                            reservoir.append((bucket, {k: v[:bsz].copy() for k, v in part.items()}))
+                        buckets.setdefault(bucket, []).append(part)
+                        bucket_rows[bucket] = bucket_rows.get(bucket, 0) + len(part["__seq__"])
+                        while bucket_rows[bucket] >= bsz and step < total_batches:
+                            out, rest = take(buckets[bucket], bsz)
+                            buckets[bucket] = rest
+                            bucket_rows[bucket] -= bsz
+                            yield deliver(out, bucket)
+            finally:
+                # An abandoned epoch (max_steps, an exception in the train loop) must stop its
+                # Ray Data execution, or it keeps reading and decoding in the background.
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
             # partial batches, in bucket order of first appearance, padded to full size
             for bucket, parts in buckets.items():
                 if bucket_rows.get(bucket, 0) and step < total_batches:
