@@ -15,9 +15,9 @@ import fsspec
 import yaml
 
 from ray_ingest.errors import ConfigError
+from ray_ingest.plan.assign import SEED_MODES
+from ray_ingest.twin import ALIGN_MODES
 
-SEED_MODES = ("epoch", "pid")
-ALIGN_MODES = ("strict", "merge", "index")
 CROP_MODES = ("center", "random")
 ON_ERROR = ("raise", "skip")
 
