@@ -27,7 +27,7 @@ from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError, IngestError, SkipBudgetExceeded, StateError
 from ray_ingest.plan.assign import PlanParams
-from ray_ingest.plan.slices import ShardSlice
+from ray_ingest.plan.slices import ShardSlice, plan_epoch
 from ray_ingest.plan.state import (
     Ranges,
     ReadState,
@@ -292,8 +292,6 @@ class IngestLoader:
         gen = state.current
         if len(state.generations) == 1:
             if cfg.decode.buckets:
-                from ray_ingest.plan.slices import plan_epoch
-
                 streams = plan_epoch(self.counts, self.catalog.chunk_size, gen.slots,
                                      gen.num_workers, state.params(), state.epoch)
                 stream = streams[slot]
