@@ -1,0 +1,139 @@
+"""Golden batch sequences: the loader delivers the same data, bit for bit, across redesigns.
+
+Recorded once from the loader as it was before the stream was rebuilt as stages and one Ray Data
+execution per job (``tests/goldens/stream.json``); every case must still reproduce them: keys,
+shard ids, indices, pads, buckets, skips and the sha1 of every image tensor, per batch, per rank.
+
+Re-record only on purpose (a deliberate change of the delivered data), with
+``RAY_INGEST_WRITE_GOLDENS=1 .venv/bin/python -m pytest tests/test_stream_goldens.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ray_ingest.catalog import load_catalog
+from ray_ingest.config import config_from_dict
+from ray_ingest.plan.topology import Topology
+from ray_ingest.stream import IngestLoader
+from ray_ingest.synth import synth_dataset
+from tests.datagen import write_tar
+
+pytestmark = pytest.mark.ray
+
+GOLDEN = Path(__file__).parent / "goldens" / "stream.json"
+WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> str:
+    """8 shards, the last one short (7 x 20 + 10)."""
+    out = str(tmp_path_factory.mktemp("golden") / "plain")
+    synth_dataset(out, samples=150, shard_size=20, seed=5, min_side=32, max_side=48)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bucketed(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("golden") / "buckets")
+    synth_dataset(out, samples=120, shard_size=10, seed=2, min_side=48, max_side=96,
+                  classify_aspect_ratio=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def corrupt(plain, tmp_path_factory) -> str:
+    """``plain`` with two undecodable JPEGs (shard 2 position 3, shard 5 position 0)."""
+    out = str(tmp_path_factory.mktemp("golden") / "corrupt")
+    shutil.copytree(plain, out)
+    for shard, pos in ((2, 3), (5, 0)):
+        path = Path(out) / "image" / "part_000000" / f"{shard:06d}.tar"
+        with tarfile.open(path) as tf:
+            members = [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
+        members[pos] = (members[pos][0], b"\xff\xd8 not a jpeg")
+        write_tar(path, members, index=True)
+    return out
+
+
+def _cfg(path: str, decode: dict[str, Any] | None = None, **loader: Any):
+    return config_from_dict({
+        "data": {"paths": [path]},
+        "decode": {"resolution": 24, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
+                   **(decode or {})},
+        "loader": {"batch_size": 8, "read_workers": 2, "seed": 11, "block_rows": 8,
+                   "read_num_cpus": 0.25, **loader},
+    })
+
+
+def _record(epoch: int, b) -> list[Any]:
+    return [epoch, b.step_in_epoch, b.bucket, list(b.keys), list(b.sids), list(b.indices),
+            list(b.pads), [list(s) for s in b.skipped],
+            hashlib.sha1(b["image"].numpy().tobytes()).hexdigest()]
+
+
+def _run(cfg, topo: Topology, epochs: int, state=None, stop_after: int | None = None,
+         catalog=None) -> tuple[list[list[Any]], IngestLoader]:
+    loader = IngestLoader(cfg, topo, catalog=catalog, state=state)
+    out: list[list[Any]] = []
+    for epoch, batches in loader.epochs(epochs):
+        for b in batches:
+            out.append(_record(epoch, b))
+            if stop_after is not None and len(out) == stop_after:
+                batches.close()
+                return out, loader
+    return out, loader
+
+
+def _ranks(cfg, world: int, epochs: int, group: int = 1) -> dict[str, list]:
+    return {str(r): _run(cfg, Topology(world, r, cfg.loader.read_workers, 0, group), epochs)[0]
+            for r in range(world)}
+
+
+def _resume(cfg, world: int, new_world: int, stop_after: int, epochs: int, ckpt: Path
+            ) -> dict[str, Any]:
+    catalog = load_catalog(list(cfg.data.paths))
+    before = {}
+    for r in range(world):
+        got, loader = _run(cfg, Topology(world, r, cfg.loader.read_workers), epochs,
+                           stop_after=stop_after, catalog=catalog)
+        before[str(r)] = got
+        loader.save(str(ckpt))
+    state = IngestLoader.restore_state(str(ckpt))
+    after = {str(r): _run(cfg, Topology(new_world, r, cfg.loader.read_workers), epochs,
+                          state=state, catalog=catalog)[0]
+             for r in range(new_world)}
+    return {"state": state.to_dict(), "before": before, "after": after}
+
+
+CASES = {
+    "epoch_mode": lambda d, tmp: _ranks(_cfg(d["plain"]), world=2, epochs=3),
+    "pid_mode": lambda d, tmp: _ranks(_cfg(d["plain"], seed_mode="pid", repeat=True), 2, 2),
+    "parallel_groups": lambda d, tmp: _ranks(_cfg(d["plain"]), world=4, epochs=2, group=2),
+    "aspect_buckets": lambda d, tmp: _ranks(
+        _cfg(d["bucketed"], {"buckets": ["16:9", "3:2", "4:3", "1:1", "3:4", "2:3", "9:16",
+                                         "21:9"]}, batch_size=4), world=2, epochs=2),
+    "skip_corrupt": lambda d, tmp: _ranks(_cfg(d["corrupt"], on_error="skip"), 1, 2),
+    "resume_mid_epoch": lambda d, tmp: _resume(_cfg(d["plain"]), 2, 2, 5, 2, tmp),
+    "resume_world_change": lambda d, tmp: _resume(_cfg(d["plain"]), 2, 3, 5, 2, tmp),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(ray_local, plain, bucketed, corrupt, tmp_path, case):
+    got = json.loads(json.dumps(CASES[case]({"plain": plain, "bucketed": bucketed,
+                                             "corrupt": corrupt}, tmp_path)))
+    goldens = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    if WRITE:
+        goldens[case] = got
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(goldens, indent=0, sort_keys=True) + "\n")
+    assert case in goldens, f"no golden for {case}: record with RAY_INGEST_WRITE_GOLDENS=1"
+    assert got == goldens[case]
