@@ -1,21 +1,28 @@
-"""Decoded samples/s delivered to a consumer: ray_ingest vs baselines, same data, same sitting.
+"""Decoded samples/s delivered to a consumer over a multi-epoch job: ray_ingest vs baselines.
 
-    .venv/bin/python bench/throughput.py [--samples 2400] [--runs 3]
+    .venv/bin/python bench/throughput.py [--samples 9600] [--epochs 3] [--runs 3]
     .venv/bin/ray-ingest bench [same flags]
 
 Contenders (all decode with the same function: Pillow + JPEG draft + resize/center crop):
-  ours      IngestLoader (TwinTarDatasource -> Decoder actor pool -> batches), one rank
-  wds_dl    webdataset tar iterators zipped per twin shard (PiD's loader) in a torch
-            DataLoader with 2 workers, batch collate
-  ray_wds   ray.data.read_webdataset(image tars) + map_batches decode (no twin join)
-  ceiling   single-process read+decode loop, throughput x cores
-Prints medians over --runs (interleaved) and the ratios ours/baseline.
+  ours       IngestLoader (TwinTarDatasource -> Decoder actor pool -> batches), one rank
+  wds_dl     webdataset tar iterators zipped per twin shard (PiD's loader) in a torch
+             DataLoader with ``--cores`` workers, started afresh every epoch
+  wds_dl_pw  the same DataLoader with ``persistent_workers=True`` (start-up paid once)
+  ray_wds    ray.data.read_webdataset(image tars) + map_batches decode (no twin join)
+  ceiling    single-process read+decode loop, throughput x cores
+Every contender runs ``--epochs`` epochs in one job. Per contender: the whole-run rate
+(samples / wall time from the start of the job, start-up included), the steady-state rate
+(samples after the first batch of each epoch / time from that batch to the epoch's last batch),
+the time to the first batch, and the stall at each epoch boundary (the gap between an epoch's
+last batch and the next epoch's first batch, minus the median gap between batches within
+epochs). Prints medians over ``--runs`` interleaved runs and the ratios of ours to each.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import os
 import statistics
@@ -29,6 +36,8 @@ from PIL import Image
 
 from ray_ingest.augment import Geometry, draft_for, resize_crop
 
+Batches = Iterator[tuple[int, int]]  # (epoch, samples) per delivered batch
+
 
 def decode_image(data: bytes, res: int) -> np.ndarray:
     geom = Geometry(res, res, "center")
@@ -41,30 +50,32 @@ def shard_urls(root: str, modality: str) -> list[str]:
     from ray_ingest.catalog import load_catalog
 
     cat = load_catalog([root])
-    return [s.url(modality) for s in cat.shards]
+    return [cat.shards[i].url(modality) for i in range(len(cat.shards))]
 
 
 # --- contenders --------------------------------------------------------------------------
-#: Samples per read task / block for ``ours`` (``--block-rows``): per-task overhead dominates at
-#: 32 on 2 cores; one task per 100-sample shard measured fastest (docs/benchmarks.md).
-BLOCK_ROWS = [100]
+#: Config overrides of ``ours`` (flags ``--block-rows`` and ``--pool``), set by :func:`main`;
+#: without them ``ours`` runs the default configuration, as a new user would.
+OURS: dict[str, dict] = {"decode": {}, "loader": {}}
+#: The last ``ours`` loader of the sitting (its stage profile is printed at the end).
+LAST_LOADER: list = []
 
 
-def run_ours(root: str, res: int, batch: int, cores: int) -> Iterator[int]:
+def run_ours(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
     from ray_ingest.config import config_from_dict
     from ray_ingest.plan.topology import Topology
     from ray_ingest.stream import IngestLoader
 
     cfg = config_from_dict({
         "data": {"paths": [root]},
-        "decode": {"resolution": res, "pool_min": cores, "pool_max": cores, "num_cpus": 0.5},
-        "loader": {"batch_size": batch, "read_workers": 1, "block_rows": BLOCK_ROWS[0],
-                   "prefetch_batches": 4, "read_num_cpus": 0.25, "ordered": True},
+        "decode": {"resolution": res, **OURS["decode"]},
+        "loader": {"batch_size": batch, **OURS["loader"]},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
-    for _, batches in loader.epochs(1):
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=cfg.loader.read_workers))
+    LAST_LOADER[:] = [loader]
+    for epoch, batches in loader.epochs(epochs):
         for b in batches:
-            yield sum(1 for p in b.pads if not p)
+            yield epoch, sum(1 for p in b.pads if not p)
 
 
 class _TwinWds(__import__("torch").utils.data.IterableDataset):
@@ -85,17 +96,27 @@ class _TwinWds(__import__("torch").utils.data.IterableDataset):
                     yield decode_image(a["data"], self.res), json.loads(b["data"])["prompt"]
 
 
-def run_wds_dl(root: str, res: int, batch: int, cores: int) -> Iterator[int]:
+def _dataloader(root: str, res: int, batch: int, cores: int, epochs: int,
+                persistent: bool) -> Batches:
     import torch.utils.data as tud
 
     pairs = list(zip(shard_urls(root, "image"), shard_urls(root, "caption"), strict=True))
     dl = tud.DataLoader(_TwinWds(pairs, res), batch_size=batch, num_workers=cores,
-                        persistent_workers=False, prefetch_factor=4)
-    for imgs, _caps in dl:
-        yield len(imgs)
+                        persistent_workers=persistent, prefetch_factor=4)
+    for epoch in range(epochs):
+        for imgs, _caps in dl:
+            yield epoch, len(imgs)
 
 
-def run_ray_wds(root: str, res: int, batch: int, cores: int) -> Iterator[int]:
+def run_wds_dl(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
+    return _dataloader(root, res, batch, cores, epochs, persistent=False)
+
+
+def run_wds_dl_pw(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
+    return _dataloader(root, res, batch, cores, epochs, persistent=True)
+
+
+def run_ray_wds(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
     import ray
 
     ds = ray.data.read_webdataset(shard_urls(root, "image"), decoder=None, num_cpus=0.25)
@@ -104,44 +125,77 @@ def run_ray_wds(root: str, res: int, batch: int, cores: int) -> Iterator[int]:
         return {"image": np.stack([decode_image(x, res) for x in b["jpg"]])}
 
     ds = ds.map_batches(dec, batch_format="numpy", num_cpus=0.5, batch_size=32)
-    for b in ds.iter_batches(batch_size=batch, batch_format="numpy"):
-        yield len(b["image"])
+    for epoch in range(epochs):
+        for b in ds.iter_batches(batch_size=batch, batch_format="numpy"):
+            yield epoch, len(b["image"])
 
 
-def run_ceiling(root: str, res: int, batch: int, cores: int) -> Iterator[int]:
-    n = 0
-    for url in shard_urls(root, "image"):
-        with tarfile.open(url, "r|") as tf:
-            for ti in tf:
-                if ti.isfile():
-                    decode_image(tf.extractfile(ti).read(), res)
-                    n += 1
-                    if n == batch:
-                        yield n
-                        n = 0
-    if n:
-        yield n
+def run_ceiling(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
+    for epoch in range(epochs):
+        n = 0
+        for url in shard_urls(root, "image"):
+            with tarfile.open(url, "r|") as tf:
+                for ti in tf:
+                    if ti.isfile():
+                        decode_image(tf.extractfile(ti).read(), res)
+                        n += 1
+                        if n == batch:
+                            yield epoch, n
+                            n = 0
+        if n:
+            yield epoch, n
 
 
-CONTENDERS = {"ours": run_ours, "wds_dl": run_wds_dl, "ray_wds": run_ray_wds,
-              "ceiling": run_ceiling}
+CONTENDERS = {"ours": run_ours, "wds_dl": run_wds_dl, "wds_dl_pw": run_wds_dl_pw,
+              "ray_wds": run_ray_wds, "ceiling": run_ceiling}
+#: Ratios printed, with the goal of issue 10 where it sets one.
+GOALS = {"wds_dl_pw": {"whole": 1.0, "steady": 1.1}}
+
+
+def summarize(t0: float, events: list[tuple[int, float, int]], mult: int = 1) -> dict:
+    """Figures of one run from ``(epoch, time, samples)`` per batch (times from perf_counter)."""
+    total = sum(n for _, _, n in events)
+    end = events[-1][1]
+    by_epoch: dict[int, list[tuple[float, int]]] = {}
+    for e, t, n in events:
+        by_epoch.setdefault(e, []).append((t, n))
+    gaps = [b[0] - a[0] for ev in by_epoch.values() for a, b in itertools.pairwise(ev)]
+    step = statistics.median(gaps) if gaps else 0.0
+    steady_n = sum(n for ev in by_epoch.values() for _, n in ev[1:])
+    steady_t = sum(ev[-1][0] - ev[0][0] for ev in by_epoch.values())
+    epochs = sorted(by_epoch)
+    boundary = [by_epoch[b][0][0] - by_epoch[a][-1][0] for a, b in itertools.pairwise(epochs)]
+    return {
+        "samples": total,
+        "whole": total / (end - t0) * mult,
+        "steady": steady_n / steady_t * mult if steady_t > 0 else float("nan"),
+        "first_batch_s": events[0][1] - t0,
+        "wall_s": end - t0,
+        "median_step_s": step,
+        "boundary_gap_s": boundary,
+        "boundary_stall_s": [max(0.0, g - step) for g in boundary],
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__.splitlines()[0])
     p.add_argument("--data", default="/tmp/ray_ingest_bench_tp", help="dataset folder (reused)")
-    p.add_argument("--samples", type=int, default=2400)
+    p.add_argument("--samples", type=int, default=9600)
     p.add_argument("--shard-size", type=int, default=100)
     p.add_argument("--min-side", type=int, default=512)
     p.add_argument("--max-side", type=int, default=768)
     p.add_argument("--res", type=int, default=224, help="output side (center crop)")
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=3, help="epochs per job")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 2,
+                   help="DataLoader workers / ceiling multiplier")
     p.add_argument("--only", default=",".join(CONTENDERS))
     p.add_argument("--json-out", default=None)
-    p.add_argument("--block-rows", type=int, default=100,
-                   help="ours: samples per read task and block (loader.block_rows)")
+    p.add_argument("--block-rows", type=int, default=None,
+                   help="ours: loader.block_rows (default: the config default)")
+    p.add_argument("--pool", type=int, default=None,
+                   help="ours: decode actors, min = max (default: the config default)")
     return p
 
 
@@ -149,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
-    BLOCK_ROWS[0] = args.block_rows
+    if args.block_rows:
+        OURS["loader"]["block_rows"] = args.block_rows
+    if args.pool:
+        OURS["decode"].update(pool_min=args.pool, pool_max=args.pool)
     from ray_ingest.synth import synth_dataset
 
     if not os.path.exists(os.path.join(args.data, "wdinfo.json")):
@@ -162,47 +219,49 @@ def main(argv: list[str] | None = None) -> int:
     ctx.enable_progress_bars = False
     ctx.execution_options.verbose_progress = False
     names = [n for n in args.only.split(",") if n]
-    full: dict[str, list[float]] = {n: [] for n in names}
-    steady: dict[str, list[float]] = {n: [] for n in names}
-    first: dict[str, list[float]] = {n: [] for n in names}
-    counts: dict[str, int] = {}
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.runs):
         for name in names:
             mult = args.cores if name == "ceiling" else 1
             t0 = time.perf_counter()
-            t_first, n, n_first = None, 0, 0
-            for k in CONTENDERS[name](args.data, args.res, args.batch, args.cores):
-                n += k
-                if t_first is None:
-                    t_first, n_first = time.perf_counter() - t0, k
-            dt = time.perf_counter() - t0
-            t_first = t_first or dt
-            full[name].append(n / dt * mult)
-            steady[name].append((n - n_first) / max(dt - t_first, 1e-9) * mult)
-            first[name].append(t_first)
-            counts[name] = n
-            print(f"run {r} {name:8s} {n} samples in {dt:6.2f} s (first batch {t_first:5.2f} s)"
-                  f" -> {full[name][-1]:8.1f} samples/s, after first batch "
-                  f"{steady[name][-1]:8.1f}", flush=True)
-    med = {n: statistics.median(v) for n, v in full.items()}
-    med_steady = {n: statistics.median(v) for n, v in steady.items()}
-    med_first = {n: statistics.median(v) for n, v in first.items()}
-    print("\nmedians (ceiling = 1-process rate x cores):")
-    print(f"  {'contender':9s} {'full pass':>10s} {'after 1st':>10s} {'1st batch':>10s}")
+            events = [(e, time.perf_counter(), k) for e, k in
+                      CONTENDERS[name](args.data, args.res, args.batch, args.cores, args.epochs)]
+            s = summarize(t0, events, mult)
+            runs[name].append(s)
+            stalls = " ".join(f"{x:.2f}" for x in s["boundary_stall_s"])
+            print(f"run {r} {name:9s} {s['samples']} samples in {s['wall_s']:6.2f} s: whole "
+                  f"{s['whole']:7.1f}/s steady {s['steady']:7.1f}/s first batch "
+                  f"{s['first_batch_s']:5.2f} s boundary stalls [{stalls}] s", flush=True)
+    med = {n: {k: statistics.median(run[k] for run in v) for k in ("whole", "steady",
+                                                                    "first_batch_s")}
+           for n, v in runs.items()}
+    for n, v in runs.items():
+        per = list(zip(*(run["boundary_stall_s"] for run in v), strict=True))
+        med[n]["boundary_stall_s"] = [statistics.median(x) for x in per]
+    print(f"\nmedians of {args.runs} interleaved runs, {args.epochs} epochs "
+          "(ceiling = 1-process rate x cores):")
+    print(f"  {'contender':10s} {'whole':>8s} {'steady':>8s} {'1st batch':>10s}  boundary stalls")
     for n in names:
-        print(f"  {n:9s} {med[n]:10.1f} {med_steady[n]:10.1f} {med_first[n]:9.2f}s")
+        m = med[n]
+        stalls = ", ".join(f"{x:.2f}" for x in m["boundary_stall_s"])
+        print(f"  {n:10s} {m['whole']:8.1f} {m['steady']:8.1f} {m['first_batch_s']:9.2f}s  "
+              f"[{stalls}] s")
     if "ours" in med:
-        for n, goal in (("wds_dl", 1.2), ("ray_wds", 3.0), ("ceiling", 0.75)):
-            if n in med:
-                print(f"  ours / {n:8s} = {med['ours'] / med[n]:.2f}x full pass, "
-                      f"{med_steady['ours'] / med_steady[n]:.2f}x after first batch "
-                      f"(goal >= {goal}x)")
+        for n in names:
+            if n == "ours":
+                continue
+            goal = GOALS.get(n, {})
+            w, s = med["ours"]["whole"] / med[n]["whole"], med["ours"]["steady"] / med[n]["steady"]
+            note = (f" (goal whole >= {goal['whole']}x, steady >= {goal['steady']}x)"
+                    if goal else "")
+            print(f"  ours / {n:9s} = {w:.2f}x whole run, {s:.2f}x steady state{note}")
+        if LAST_LOADER:
+            loader = LAST_LOADER[0]
+            print(f"\nours, last run: stages {json.dumps(loader.metrics(), default=str)}")
     print(f"\ncommand: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"median_full": med, "median_after_first": med_steady,
-                       "median_first_batch_s": med_first, "full": full, "after_first": steady,
-                       "counts": counts, "args": vars(args)}, f, indent=2)
+            json.dump({"medians": med, "runs": runs, "args": vars(args)}, f, indent=2)
     ray.shutdown()
     return 0
 
