@@ -34,6 +34,7 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 from ray_ingest.catalog import Catalog, TarSample, Wdinfo, load_catalog  # noqa: E402
 from ray_ingest.config import Config, config_from_dict  # noqa: E402
 from ray_ingest.plan import PlanParams, Topology  # noqa: E402
+from ray_ingest.plan.epoch import read_items  # noqa: E402
 from ray_ingest.plan.state import (  # noqa: E402
     generation_streams,
     initial_state,
@@ -41,7 +42,7 @@ from ray_ingest.plan.state import (  # noqa: E402
     with_progress,
     with_topology,
 )
-from ray_ingest.stream import IngestLoader, plan_params, read_items  # noqa: E402
+from ray_ingest.stream import IngestLoader, plan_params  # noqa: E402
 from ray_ingest.synth import synth_dataset  # noqa: E402
 
 OFFSETS = (0.1, 0.5, 0.9)

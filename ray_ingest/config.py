@@ -162,6 +162,10 @@ class LoaderConfig:
     ordered: bool = True
     #: Batches prefetched by the Ray iterator.
     prefetch_batches: int = attrs.field(default=2, validator=_at_least(0))
+    #: Read items one Ray Data execution plans ahead: it reads as many whole epochs as fit (at
+    #: least the current one), so start-up is paid once per job on small epochs, once per
+    #: epoch on huge ones (every planned read task is ``ray.put`` when an execution starts).
+    max_planned_items: int = attrs.field(default=4096, validator=_at_least(1))
     #: raise | skip (bad samples are logged, counted and recorded in the read state).
     on_error: str = attrs.field(default="raise", validator=_one_of(ON_ERROR))
     #: Skip budgets for on_error=skip (None: unlimited).

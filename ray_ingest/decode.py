@@ -30,21 +30,31 @@ from ray_ingest.augment import (
     resize_crop,
     sample_seed,
 )
+from ray_ingest.columns import (
+    ACTOR,
+    BUCKET,
+    EPOCH,
+    ERROR,
+    INDEX,
+    KEY,
+    PROVENANCE,
+    SHARD,
+    SID,
+    T_DECODE,
+    T_READ,
+    ext_column,
+)
 from ray_ingest.config import DecodeConfig
 from ray_ingest.errors import IngestError, UnsafeFormatError
-from ray_ingest.twin import ext_column
 
 log = logging.getLogger(__name__)
 
 IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "bmp"})
 UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
 CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
-#: Provenance columns carried through decode unchanged.
-PASSTHROUGH = ("__key__", "__shard__", "__index__", "__sid__", "__seq__", "__pad__", "__bucket__",
-               "__t_read__")
-DECODE_TIME = "__t_decode__"
-ERROR = "__error__"
-ACTOR = "__actor__"
+#: Columns carried through decode unchanged.
+PASSTHROUGH = (*PROVENANCE, T_READ)
+DECODE_TIME = T_DECODE
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -87,6 +97,7 @@ class Decoder:
     """Callable class for ``Dataset.map_batches(..., batch_format="pyarrow")``."""
 
     def __init__(self, cfg: DecodeConfig, seed: int = 0, epoch: int = 0, on_error: str = "raise"):
+        # ``epoch`` seeds random crops of rows without an ``__epoch__`` column (cat, tests).
         self.cfg = cfg
         self.seed = seed
         self.epoch = epoch
@@ -145,8 +156,10 @@ class Decoder:
             data = row[cfg.image_key]
             if data is None:
                 raise SampleError(f"{cfg.image_key}: missing member")
-            geom = self.geometry(row.get("__bucket__") or "")
-            seed = sample_seed(self.seed, self.epoch, row["__sid__"], row["__index__"])
+            geom = self.geometry(row.get(BUCKET) or "")
+            epoch = row.get(EPOCH)
+            seed = sample_seed(self.seed, self.epoch if epoch is None else epoch, row[SID],
+                               row[INDEX])
             out[cfg.image_key] = self._image(data, row[ext_column(cfg.image_key)], geom, seed)
         if cfg.caption_key is not None:
             data = row[cfg.caption_key]
@@ -163,7 +176,7 @@ class Decoder:
         cfg = self.cfg
         out: dict[str, Any] = {}
         if cfg.image_key is not None:
-            geom = self.geometry(row.get("__bucket__") or "")
+            geom = self.geometry(row.get(BUCKET) or "")
             out[cfg.image_key] = np.zeros((geom.height, geom.width, 3), np.uint8)
         if cfg.caption_key is not None:
             out[cfg.caption_key] = ""
@@ -189,8 +202,8 @@ class Decoder:
                     UnicodeDecodeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
                 reason = _ADDRESS.sub("", reason)  # "<_io.BytesIO object at 0x7f…>": same every run
-                where = (f"shard {row.get('__shard__')} key {row.get('__key__')} "
-                         f"index {row.get('__index__')}")
+                where = (f"shard {row.get(SHARD)} key {row.get(KEY)} "
+                         f"index {row.get(INDEX)}")
                 if self.on_error == "raise":
                     raise IngestError(f"{where}: cannot decode: {reason}") from None
                 log.warning("skip %s: %s", where, reason)

@@ -6,10 +6,10 @@ positions them at the slice's first sample (key-index seek or header-only skip),
 in lockstep and yields Arrow blocks of raw bytes plus provenance:
 
 ``__key__`` ``__shard__`` ``__index__`` (position in the shard), ``__sid__`` (shard number in
-the catalog), ``__seq__`` (position in the rank's stream, what the read state records),
-``__pad__`` (planned duplicate), ``__bucket__`` (aspect bucket of the shard), ``__error__``
-(non-empty for a sample skipped under ``on_error=skip``), then one binary column and one
-extension column per modality.
+the catalog), ``__seq__`` (position in the rank's stream of its epoch, what the read state
+records), ``__epoch__``, ``__pad__`` (planned duplicate), ``__bucket__`` (aspect bucket of the
+shard), ``__error__`` (non-empty for a sample skipped under ``on_error=skip``), then one binary
+column and one extension column per modality (:mod:`ray_ingest.columns`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,29 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import attrs
 import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from ray_ingest.catalog import TarSample
+from ray_ingest.columns import (
+    BUCKET,
+    EPOCH,
+    ERROR,
+    INDEX,
+    KEY,
+    PAD,
+    SEQ,
+    SHARD,
+    SID,
+    T_READ,
+    ext_column,
+)
 from ray_ingest.errors import IngestError
+from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import ReadOptions, read_shard
-from ray_ingest.twin import INDEX, KEY, SHARD, ext_column
+
+__all__ = ["ReadItem", "TwinTarDatasource", "read_item"]
 
 log = logging.getLogger(__name__)
 
@@ -35,28 +49,18 @@ log = logging.getLogger(__name__)
 DEFAULT_SAMPLE_BYTES = 256 * 1024
 
 
-@attrs.frozen(slots=True)
-class ReadItem:
-    """One read task: ``count`` samples of shard ``sid`` from ``start``; stream position ``seq``."""
-
-    seq: int
-    sid: int
-    start: int
-    count: int
-    pad: bool = False
-
-
 def _schema(modalities: Sequence[str]) -> pa.Schema:
     fields = [
         pa.field(KEY, pa.string()),
         pa.field(SHARD, pa.string()),
         pa.field(INDEX, pa.int64()),
-        pa.field("__sid__", pa.int64()),
-        pa.field("__seq__", pa.int64()),
-        pa.field("__pad__", pa.bool_()),
-        pa.field("__bucket__", pa.string()),
-        pa.field("__error__", pa.string()),
-        pa.field("__t_read__", pa.float64()),
+        pa.field(SID, pa.int64()),
+        pa.field(SEQ, pa.int64()),
+        pa.field(EPOCH, pa.int64()),
+        pa.field(PAD, pa.bool_()),
+        pa.field(BUCKET, pa.string()),
+        pa.field(ERROR, pa.string()),
+        pa.field(T_READ, pa.float64()),
     ]
     for m in modalities:
         fields.append(pa.field(m, pa.binary()))
@@ -81,7 +85,7 @@ def read_item(
 
     def flush() -> pa.Table:
         n = len(cols[KEY])
-        cols["__t_read__"].extend([(time.perf_counter() - clock[0]) / max(n, 1)] * n)
+        cols[T_READ].extend([(time.perf_counter() - clock[0]) / max(n, 1)] * n)
         table = pa.table({n: pa.array(cols[n], type=schema.field(n).type) for n in names},
                          schema=schema)
         for n in names:
@@ -93,11 +97,12 @@ def read_item(
         cols[KEY].append(row[KEY])
         cols[SHARD].append(shard.path)
         cols[INDEX].append(index)
-        cols["__sid__"].append(item.sid)
-        cols["__seq__"].append(item.seq + index - item.start)
-        cols["__pad__"].append(item.pad)
-        cols["__bucket__"].append(bucket)
-        cols["__error__"].append(error)
+        cols[SID].append(item.sid)
+        cols[SEQ].append(item.seq + index - item.start)
+        cols[EPOCH].append(item.epoch)
+        cols[PAD].append(item.pad)
+        cols[BUCKET].append(bucket)
+        cols[ERROR].append(error)
         for m in shard.keys:
             cols[m].append(row.get(m))
             cols[ext_column(m)].append(row.get(ext_column(m)))

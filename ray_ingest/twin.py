@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ray_ingest import columns
 from ray_ingest.errors import AlignmentError, ConfigError
 from ray_ingest.tario import Member
 
@@ -42,12 +43,8 @@ REASONS = ("missing", "extra", "duplicate", "orphan", "reordered", "unnamed", "e
 #: Look-ahead members buffered per secondary modality in merge/index mode.
 DEFAULT_WINDOW = 100_000
 
-KEY, SHARD, INDEX = "__key__", "__shard__", "__index__"
-
-
-def ext_column(modality: str) -> str:
-    """Name of the column holding a modality's member extension (``image__ext``)."""
-    return f"{modality}__ext"
+KEY, SHARD, INDEX = columns.KEY, columns.SHARD, columns.INDEX
+ext_column = columns.ext_column
 
 
 @attrs.define

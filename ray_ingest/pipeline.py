@@ -1,0 +1,145 @@
+"""The Ray edge of the stream: one Ray Data execution reading planned items, maybe of several
+epochs, through the decode actor pool, yielding numpy column blocks in stream order.
+
+The only stage of the stream that imports Ray. Its DataContext is a private copy set once per
+execution (ordering, no silently dropped blocks, original error types, quiet progress), so a
+rank's loader does not change the settings of anything else in the process. Errors raised by
+our read or decode code come out as the one-line :class:`~ray_ingest.errors.IngestError` they
+were, not wrapped in Ray's task errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+from ray.data import ActorPoolStrategy, DataContext
+
+from ray_ingest.catalog import Catalog
+from ray_ingest.config import Config
+from ray_ingest.decode import Decoder
+from ray_ingest.errors import IngestError
+from ray_ingest.plan.epoch import ReadItem
+from ray_ingest.reader import ReadOptions
+from ray_ingest.source import TwinTarDatasource
+
+log = logging.getLogger(__name__)
+
+
+def read_options(cfg: Config) -> ReadOptions:
+    dc = cfg.data
+    return ReadOptions(align=dc.align, optional=dc.optional_keys, index_path=dc.index_path,
+                       storage_options=dict(dc.storage_options))
+
+
+def execution_context(cfg: Config) -> DataContext:
+    """The DataContext of a loader's executions (a copy: the process's current one is kept)."""
+    ctx = DataContext.get_current().copy()
+    ctx.execution_options.preserve_order = cfg.loader.ordered
+    ctx.enable_progress_bars = False
+    ctx.execution_options.verbose_progress = False
+    ctx.max_errored_blocks = 0  # never drop data silently
+    # Keep an IngestError's type and one-line message (not a UserCodeException wrapper).
+    ctx.raise_original_map_exception = True
+    return ctx
+
+
+@contextlib.contextmanager
+def _current(ctx: DataContext) -> Iterator[None]:
+    """Build datasets under ``ctx`` (each copies the current context when created)."""
+    before = DataContext.get_current()
+    DataContext._set_current(ctx)
+    try:
+        yield
+    finally:
+        DataContext._set_current(before)
+
+
+def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem]) -> ray.data.Dataset:
+    """Read ``items`` in order (``TwinTarDatasource``), decode on the elastic actor pool."""
+    read_kw: dict[str, Any] = {}
+    map_kw: dict[str, Any] = {}
+    if cfg.decode.label_selector:
+        read_kw["label_selector"] = dict(cfg.decode.label_selector)
+        map_kw["label_selector"] = dict(cfg.decode.label_selector)
+    with _current(execution_context(cfg)):
+        source = TwinTarDatasource(catalog.shards, items, read_options(cfg),
+                                   block_rows=cfg.loader.block_rows,
+                                   on_error=cfg.loader.on_error)
+        ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
+                                      concurrency=cfg.loader.read_concurrency,
+                                      override_num_blocks=max(1, len(items)), **read_kw)
+        return ds.map_batches(
+            Decoder,
+            fn_constructor_kwargs={"cfg": cfg.decode, "seed": cfg.loader.seed,
+                                   "on_error": cfg.loader.on_error},
+            compute=ActorPoolStrategy(min_size=cfg.decode.pool_min,
+                                      max_size=cfg.decode.pool_max),
+            num_cpus=cfg.decode.num_cpus,
+            batch_size=None,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            udf_modifying_row_count=False,
+            **map_kw,
+        )
+
+
+class Execution:
+    """One running execution: iterate :meth:`blocks`, then :meth:`close` (also when abandoned)."""
+
+    def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem]):
+        self._ds = build_dataset(cfg, catalog, items)
+        self._it = iter(self._ds.iter_batches(batch_size=None, batch_format="numpy",
+                                              prefetch_batches=cfg.loader.prefetch_batches))
+        self.finished = False
+
+    def blocks(self) -> Iterator[dict[str, np.ndarray]]:
+        """Decoded column blocks in stream order; read/decode errors as one-line IngestErrors."""
+        while True:
+            try:
+                block = next(self._it, None)
+            except Exception as exc:
+                cause = ingest_cause(exc)
+                if cause is None:
+                    raise
+                raise cause from None  # one line naming shard, index/key and reason
+            if block is None:
+                self.finished = True
+                return
+            yield block
+
+    def stats(self) -> str | None:
+        """Ray Data's ``ds.stats()`` of a finished execution (None when unavailable)."""
+        try:
+            return self._ds.stats()
+        except Exception as exc:  # diagnostics only: never fail a run over them
+            log.warning("Ray Data stats unavailable: %s", exc)
+            return None
+
+    def close(self) -> None:
+        """Stop the execution (an abandoned one would keep reading and decoding)."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+
+def ingest_cause(exc: BaseException) -> IngestError | None:
+    """The :class:`IngestError` behind a Ray task error (``RayTaskError.cause``), if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        cause = getattr(cur, "cause", None)
+        if not isinstance(cause, BaseException):
+            if not isinstance(cur, IngestError):
+                return None
+            if cur.args and isinstance(cur.args[0], str) and "\n" in cur.args[0]:
+                # Ray Data appends retry advice on new lines; our messages are one line.
+                cur.args = (cur.args[0].split("\n", 1)[0], *cur.args[1:])
+            return cur
+        cur = cause
+    return None
