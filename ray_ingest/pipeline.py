@@ -24,16 +24,10 @@ from ray_ingest.config import Config
 from ray_ingest.decode import Decoder
 from ray_ingest.errors import IngestError
 from ray_ingest.plan.epoch import ReadItem
-from ray_ingest.reader import ReadOptions
+from ray_ingest.reader import read_options
 from ray_ingest.source import TwinTarDatasource
 
 log = logging.getLogger(__name__)
-
-
-def read_options(cfg: Config) -> ReadOptions:
-    dc = cfg.data
-    return ReadOptions(align=dc.align, optional=dc.optional_keys, index_path=dc.index_path,
-                       storage_options=dict(dc.storage_options))
 
 
 def execution_context(cfg: Config) -> DataContext:
@@ -67,7 +61,7 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem]) -> r
         read_kw["label_selector"] = dict(cfg.decode.label_selector)
         map_kw["label_selector"] = dict(cfg.decode.label_selector)
     with _current(execution_context(cfg)):
-        source = TwinTarDatasource(catalog.shards, items, read_options(cfg),
+        source = TwinTarDatasource(catalog.shards, items, read_options(cfg.data),
                                    block_rows=cfg.loader.block_rows,
                                    on_error=cfg.loader.on_error)
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,

@@ -52,6 +52,12 @@ class ReadOptions:
         check_align(value)
 
 
+def read_options(data: Any) -> ReadOptions:
+    """The read options a ``data`` config section (:class:`ray_ingest.config.DataConfig`) asks for."""
+    return ReadOptions(align=data.align, optional=data.optional_keys, index_path=data.index_path,
+                       storage_options=dict(data.storage_options))
+
+
 def load_index_keys(path: str, shard: str | None = None,
                     storage_options: dict[str, Any] | None = None) -> list[str]:
     """Keys of a parquet key list: first column, cut at the first ``.`` (PiD's rule).

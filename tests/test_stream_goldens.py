@@ -4,6 +4,9 @@ Recorded once from the loader as it was before the stream was rebuilt as stages 
 execution per job (``tests/goldens/stream.json``); every case must still reproduce them: keys,
 shard ids, indices, pads, buckets, skips and the sha1 of every image tensor, per batch, per rank.
 
+Every case also runs with the Ray edge replaced by the same read and decode code in this process
+(tests/local_execution.py): the loader's other stages reproduce the goldens without a cluster.
+
 Re-record only on purpose (a deliberate change of the delivered data), with
 ``RAY_INGEST_WRITE_GOLDENS=1 .venv/bin/python -m pytest tests/test_stream_goldens.py``.
 """
@@ -26,8 +29,7 @@ from ray_ingest.plan.topology import Topology
 from ray_ingest.stream import IngestLoader
 from ray_ingest.synth import synth_dataset
 from tests.datagen import write_tar
-
-pytestmark = pytest.mark.ray
+from tests.local_execution import LocalExecution
 
 GOLDEN = Path(__file__).parent / "goldens" / "stream.json"
 WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
@@ -79,9 +81,15 @@ def _record(epoch: int, b) -> list[Any]:
             hashlib.sha1(b["image"].numpy().tobytes()).hexdigest()]
 
 
+#: "ray" (the real Ray Data execution) or "local" (tests/local_execution.py), set per test.
+ENGINE = ["ray"]
+
+
 def _run(cfg, topo: Topology, epochs: int, state=None, stop_after: int | None = None,
          catalog=None) -> tuple[list[list[Any]], IngestLoader]:
-    loader = IngestLoader(cfg, topo, catalog=catalog, state=state)
+    catalog = catalog or load_catalog(list(cfg.data.paths))
+    opener = LocalExecution.factory(cfg, catalog) if ENGINE[0] == "local" else None
+    loader = IngestLoader(cfg, topo, catalog=catalog, state=state, open_execution=opener)
     out: list[list[Any]] = []
     for epoch, batches in loader.epochs(epochs):
         for b in batches:
@@ -126,12 +134,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("engine", [pytest.param("ray", marks=pytest.mark.ray), "local"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_golden(ray_local, plain, bucketed, corrupt, tmp_path, case):
+def test_golden(request, plain, bucketed, corrupt, tmp_path, case, engine):
+    if engine == "ray":
+        request.getfixturevalue("ray_local")
+    ENGINE[0] = engine
     got = json.loads(json.dumps(CASES[case]({"plain": plain, "bucketed": bucketed,
                                              "corrupt": corrupt}, tmp_path)))
     goldens = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
-    if WRITE:
+    if WRITE and engine == "ray":
         goldens[case] = got
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(goldens, indent=0, sort_keys=True) + "\n")
