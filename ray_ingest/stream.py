@@ -102,6 +102,8 @@ class IngestLoader:
         self.clock = StageClock()
         self.data_stats: list[str] = []
         self.actors_seen: set[str] = set()
+        #: Executions started by this loader (one per window of epochs).
+        self.executions = 0
 
     @property
     def state(self) -> ReadState:
@@ -141,7 +143,7 @@ class IngestLoader:
                                 block_rows=lc.block_rows if strict else None,
                                 max_items=lc.max_planned_items)
             # The window lives while this generator or an epoch's batches refer to it.
-            window = EpochWindow(plans, self._open_execution, exact=strict, ordered=lc.ordered,
+            window = EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
                                  clock=self.clock, on_stats=self._keep_stats)
             for plan in plans:
                 yield plan.epoch, self._epoch(plan, window)
@@ -197,6 +199,10 @@ class IngestLoader:
         self.clock.samples += len(batch.keys)
         return batch
 
+    def _count(self, items: list[ReadItem]) -> Execution:
+        self.executions += 1
+        return self._open_execution(items)
+
     def _ray_execution(self, items: list[ReadItem]) -> Execution:
         from ray_ingest.pipeline import Execution
 
@@ -214,6 +220,7 @@ class IngestLoader:
     def metrics(self) -> dict[str, Any]:
         """Stage timings and counters collected so far (see docs/observability)."""
         return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
+                "executions": self.executions,
                 "skips_in_epoch": len(self.state.skips),
                 "skips_total": sum(self.skips_by_kind.values()),
                 "skips_by_kind": dict(self.skips_by_kind)}

@@ -128,7 +128,8 @@ def test_batches_are_tensors_with_provenance(ray_local, dataset):
 
 
 def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
-    """Observed decode actors (ids reported by the actors themselves), not configured ones."""
+    """Observed decode actors (ids reported by the actors themselves), not configured ones, in
+    one execution that reads two epochs."""
     out = str(tmp_path / "big")
     synth_dataset(out, samples=360, shard_size=12, seed=1, min_side=256, max_side=384)
     cfg = config_from_dict({
@@ -137,19 +138,37 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
         "loader": {"batch_size": 12, "read_workers": 1, "block_rows": 4, "prefetch_batches": 8},
     })
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
-    for _, batches in loader.epochs(1):
+    per_epoch = []
+    for _, batches in loader.epochs(2):
+        before = set(loader.actors_seen)
         for _ in batches:
             pass
+        per_epoch.append(loader.actors_seen - before)
+    assert loader.executions == 1
     assert 2 <= len(loader.actors_seen) <= 3, loader.actors_seen
+    assert not per_epoch[1] - loader.actors_seen
     fixed = config_from_dict({
         "data": {"paths": [out]},
         "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
         "loader": {"batch_size": 12, "read_workers": 1, "block_rows": 4},
     })
     loader = IngestLoader(fixed, Topology(world_size=1, rank=0, num_workers=1))
-    for _, batches in loader.epochs(1):
-        n = sum(1 for _ in batches)
-    assert n == 30 and len(loader.actors_seen) == 1
+    n = 0
+    for _, batches in loader.epochs(2):
+        n += sum(1 for _ in batches)
+    assert n == 60 and len(loader.actors_seen) == 1 and loader.executions == 1
+
+
+def test_one_execution_reads_a_window_of_epochs(ray_local, dataset):
+    """The same batches whether one execution reads three epochs or each epoch gets its own."""
+    topo = Topology(world_size=2, rank=1, num_workers=2)
+    cfg = _cfg(dataset)
+    one, loader = _run(cfg, topo, epochs=3)
+    assert loader.executions == 1 and len(loader.data_stats) == 1
+    three, loader = _run(_cfg(dataset, max_planned_items=1), topo, epochs=3)  # one epoch each
+    assert loader.executions == 3
+    assert one == three
+    assert [x[0] for x in one] == sorted(x[0] for x in one)
 
 
 def test_random_crop_is_seeded_per_sample(ray_local, dataset):
