@@ -119,6 +119,9 @@ class DecodeConfig:
     num_cpus: float = attrs.field(default=0.5, validator=_at_least(0.0))
     #: Ray placement label selector for decode actors and read tasks ({"pool": "cpu-decode"}).
     label_selector: dict[str, str] = attrs.field(factory=dict)
+    #: Seconds the pool must stay under-used before it shrinks: a pause of the train loop
+    #: (checkpoint, validation) shorter than this keeps its actors (0: Ray's default).
+    scale_down_hold_s: float = attrs.field(default=30.0, validator=_at_least(0.0))
 
     def __attrs_post_init__(self) -> None:
         if self.pool_max < self.pool_min:
@@ -162,6 +165,12 @@ class LoaderConfig:
     ordered: bool = True
     #: Batches prefetched by the Ray iterator.
     prefetch_batches: int = attrs.field(default=2, validator=_at_least(0))
+    #: Logical CPUs this rank's Ray Data execution may use (read tasks + decode actors).
+    #: None: an equal share of the cluster, its CPUs / the number of ranks.
+    cpu_limit: float | None = attrs.field(default=None, validator=_opt_at_least(0.0))
+    #: Object-store bytes this rank's execution may hold (backpressure beyond it).
+    #: None: an equal share of the cluster, its object store / the number of ranks.
+    object_store_limit: int | None = attrs.field(default=None, validator=_opt_at_least(1))
     #: Read items one Ray Data execution plans ahead: it reads as many whole epochs as fit (at
     #: least the current one), so start-up is paid once per job on small epochs, once per
     #: epoch on huge ones (every planned read task is ``ray.put`` when an execution starts).

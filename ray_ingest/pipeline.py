@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import ray
 from ray.data import ActorPoolStrategy, DataContext
+from ray.data._internal.execution.execution_callback import ExecutionCallback
+from ray.data._internal.execution.interfaces import ExecutionResources
 
 from ray_ingest.catalog import Catalog
 from ray_ingest.config import Config
@@ -30,7 +33,11 @@ from ray_ingest.source import TwinTarDatasource
 log = logging.getLogger(__name__)
 
 
-def execution_context(cfg: Config) -> DataContext:
+#: DataContext key read by :class:`HoldScaleDown`.
+HOLD_KEY = "ray_ingest.scale_down_hold_s"
+
+
+def execution_context(cfg: Config, world_size: int = 1) -> DataContext:
     """The DataContext of a loader's executions (a copy: the process's current one is kept)."""
     ctx = DataContext.get_current().copy()
     ctx.execution_options.preserve_order = cfg.loader.ordered
@@ -39,7 +46,68 @@ def execution_context(cfg: Config) -> DataContext:
     ctx.max_errored_blocks = 0  # never drop data silently
     # Keep an IngestError's type and one-line message (not a UserCodeException wrapper).
     ctx.raise_original_map_exception = True
+    limits = rank_limits(cfg, world_size)
+    if limits is not None:
+        ctx.execution_options.resource_limits = limits
+    if cfg.decode.scale_down_hold_s > 0:
+        ctx.set_config(HOLD_KEY, float(cfg.decode.scale_down_hold_s))
+        ctx.custom_execution_callback_classes = [*ctx.custom_execution_callback_classes,
+                                                 HoldScaleDown]
     return ctx
+
+
+def rank_limits(cfg: Config, world_size: int) -> ExecutionResources | None:
+    """This rank's share of the cluster for its execution (None: the whole cluster).
+
+    Every rank runs its own executor, and an executor assumes it owns the cluster (ray_notes
+    §10): with several ranks each would plan to use every CPU and the whole object store.
+    """
+    cpu, store = cfg.loader.cpu_limit, cfg.loader.object_store_limit
+    if world_size > 1 and (cpu is None or store is None):
+        total = ray.cluster_resources()
+        if cpu is None and total.get("CPU"):
+            cpu = total["CPU"] / world_size
+        if store is None and total.get("object_store_memory"):
+            store = total["object_store_memory"] / world_size
+    if cpu is None and store is None:
+        return None
+    return ExecutionResources.for_limits(cpu=cpu, object_store_memory=store)
+
+
+class HoldScaleDown(ExecutionCallback):
+    """Keeps the decode pool through pauses of the train loop.
+
+    A checkpoint or a validation pass stops consumption; the pipeline fills its buffers, the
+    decode actors go idle, and Ray's actor autoscaler (utilisation <= 0.5) would shrink the pool
+    at once, then grow it again after the pause, paying actor start-up each time. This holds
+    utilisation-driven shrinking until the pool has been under-used for ``decode.
+    scale_down_hold_s`` seconds in a row. Growing, and shrinking for resource pressure or at the
+    end of the input, are unchanged. (Ray 2.60 has no setting for this: the callback wraps the
+    executor's actor autoscaler.)
+    """
+
+    def before_execution_starts(self, executor: Any) -> None:
+        hold = float(executor._data_context.get_config(HOLD_KEY, 0.0))
+        scaler = getattr(executor, "_actor_autoscaler", None)
+        derive = getattr(scaler, "_derive_target_scaling_config", None)
+        if not hold or derive is None:
+            log.warning("decode.scale_down_hold_s: this Ray version's actor autoscaler is not "
+                        "the one it wraps; pauses may shrink the decode pool")
+            return
+        low_since: dict[int, float] = {}
+
+        def held(actor_pool: Any, op: Any, op_state: Any) -> Any:
+            req = derive(actor_pool, op, op_state)
+            key = id(actor_pool)
+            if req.delta < 0 and not req.force and "utilization" in (req.reason or ""):
+                first = low_since.setdefault(key, time.monotonic())
+                if time.monotonic() - first < hold:
+                    return type(req).no_op(reason=f"scale-down held ({req.reason})")
+            else:
+                low_since.pop(key, None)
+            return req
+
+        scaler._derive_target_scaling_config = held
 
 
 @contextlib.contextmanager
@@ -53,14 +121,15 @@ def _current(ctx: DataContext) -> Iterator[None]:
         DataContext._set_current(before)
 
 
-def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem]) -> ray.data.Dataset:
+def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
+                  world_size: int = 1) -> ray.data.Dataset:
     """Read ``items`` in order (``TwinTarDatasource``), decode on the elastic actor pool."""
     read_kw: dict[str, Any] = {}
     map_kw: dict[str, Any] = {}
     if cfg.decode.label_selector:
         read_kw["label_selector"] = dict(cfg.decode.label_selector)
         map_kw["label_selector"] = dict(cfg.decode.label_selector)
-    with _current(execution_context(cfg)):
+    with _current(execution_context(cfg, world_size)):
         source = TwinTarDatasource(catalog.shards, items, read_options(cfg.data),
                                    block_rows=cfg.loader.block_rows,
                                    on_error=cfg.loader.on_error)
@@ -85,8 +154,9 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem]) -> r
 class Execution:
     """One running execution: iterate :meth:`blocks`, then :meth:`close` (also when abandoned)."""
 
-    def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem]):
-        self._ds = build_dataset(cfg, catalog, items)
+    def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
+                 world_size: int = 1):
+        self._ds = build_dataset(cfg, catalog, items, world_size)
         self._it = iter(self._ds.iter_batches(batch_size=None, batch_format="numpy",
                                               prefetch_batches=cfg.loader.prefetch_batches))
         self.finished = False

@@ -206,7 +206,7 @@ class IngestLoader:
     def _ray_execution(self, items: list[ReadItem]) -> Execution:
         from ray_ingest.pipeline import Execution
 
-        return Execution(self.cfg, self.catalog, items)
+        return Execution(self.cfg, self.catalog, items, self.topology.world_size)
 
     def _keep_stats(self, stats: str) -> None:
         self.data_stats.append(stats)

@@ -4,6 +4,7 @@ elastic decode pool."""
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 import pytest
@@ -215,3 +216,27 @@ def test_aspect_buckets_give_one_shape_per_batch(ray_local, tmp_path):
         assert len(shapes) == len({b for b, _ in shapes})
     assert counts[0] == counts[1]
     assert np.all(np.array(counts) > 0)
+
+
+def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
+    """A 12 s pause (a checkpoint, a validation pass) with a small object-store budget idles the
+    decode actors; Ray's autoscaler would shrink the pool then grow it again with a new actor
+    (seen with ``scale_down_hold_s: 0``). With the hold, no new actor appears after the pause."""
+    out = str(tmp_path / "pause")
+    synth_dataset(out, samples=640, shard_size=32, seed=1, min_side=160, max_side=224)
+    cfg = config_from_dict({
+        "data": {"paths": [out]},
+        "decode": {"resolution": 96, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
+                   "scale_down_hold_s": 60},
+        "loader": {"batch_size": 16, "read_workers": 1, "block_rows": 16,
+                   "object_store_limit": 16_000_000},
+    })
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
+    before: set[str] = set()
+    for epoch, batches in loader.epochs(2):
+        for n, _ in enumerate(batches):
+            if epoch == 1 and n == 5:
+                before = set(loader.actors_seen)
+                time.sleep(12)
+    assert loader.executions == 1 and before
+    assert loader.actors_seen == before, "the pool shrank during the pause and grew again"
