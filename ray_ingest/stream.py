@@ -58,9 +58,7 @@ def state_file(rank: int) -> str:
 
 
 def plan_params(cfg: Config, start_index: int = 0) -> PlanParams:
-    lc = cfg.loader
-    return PlanParams(seed=lc.seed, seed_mode=lc.seed_mode, shuffle=lc.shuffle, repeat=lc.repeat,
-                      equal_work=lc.equal_work, start_index=start_index)
+    return cfg.loader.plan_params(start_index)
 
 
 def read_options(cfg: Config) -> ReadOptions:
@@ -89,8 +87,8 @@ def read_items(stream: Sequence[ShardSlice], consumed: Ranges,
 def bucket_of_shards(catalog: Catalog, buckets: Sequence[str]) -> list[str]:
     """Batch group of each shard: its aspect bucket when bucketing, else one group."""
     if not buckets:
-        return ["" for _ in catalog.shards]
-    return [s.bucket or "" for s in catalog.shards]
+        return [""] * len(catalog.paths)
+    return catalog.buckets.tolist()
 
 
 def expected_batches(streams: Sequence[Sequence[ShardSlice]], shard_bucket: Sequence[str],
@@ -170,7 +168,7 @@ class IngestLoader:
         self.topology = topology
         self.catalog = catalog or load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
                                                storage_options=cfg.data.storage_options,
-                                               cache=True)
+                                               cache=True, root=cfg.data.root)
         self.counts = self.catalog.counts
         self.params = plan_params(cfg, start_index)
         self.device = device
