@@ -829,8 +829,9 @@ class Catalog:
     ``load_catalog`` builds catalogs; this constructor builds one from shard objects.
     """
 
-    __slots__ = ("_count_error", "_counts", "_fingerprint", "_group", "_groups", "_lock",
-                 "_modalities", "_paths", "_starts", "_storage", "_wdinfos", "chunk_size")
+    __slots__ = ("_complete", "_count_error", "_counts", "_fingerprint", "_group", "_groups",
+                 "_lock", "_modalities", "_paths", "_starts", "_storage", "_wdinfos",
+                 "chunk_size")
 
     def __init__(self, shards: Iterable[TarSample] = (), wdinfos: Sequence[Wdinfo] = (),
                  chunk_size: int | None = None, modalities: Iterable[str] | None = None, *,
@@ -867,6 +868,7 @@ class Catalog:
         self._storage = storage
         self._fingerprint = fingerprint
         self._count_error = count_error
+        self._complete = not len(counts) or bool(counts.min() >= 0)
         self._lock = threading.Lock()
 
     @classmethod
@@ -1015,7 +1017,7 @@ class Catalog:
         Shards whose wdinfo records none get them from their key indexes, read once here;
         raises :class:`CatalogError` saying what is missing when neither exists.
         """
-        if self._count_error is not None or (len(self._counts) and self._counts.min() < 0):
+        if not self._complete:
             self._resolve_counts()
         return _count_view(self._counts)
 
@@ -1030,8 +1032,9 @@ class Catalog:
 
     def _resolve_counts(self) -> None:
         with self._lock:
-            if self._count_error is None and self._counts.min() < 0:
+            if self._count_error is None and not self._complete:
                 self._count_error = self._fill_counts()
+                self._complete = self._count_error is None
             if self._count_error is not None:
                 raise CatalogError(self._count_error)
 

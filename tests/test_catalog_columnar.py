@@ -152,11 +152,13 @@ def test_fast_parse_equals_the_json_path(tmp_path, monkeypatch, name):
     wd = write_json(tmp_path / "aspect_ratio_4_3" / "wdinfo.json", GOOD_DOCS[name])
     slow = read_wdinfo(str(wd))
     monkeypatch.setattr(catalog_mod, "FAST_PARSE_BYTES", 0)
-    calls = []
+    results = []
     real = catalog_mod._fast_parse
-    monkeypatch.setattr(catalog_mod, "_fast_parse", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(catalog_mod, "_fast_parse",
+                        lambda *a: results.append(real(*a)) or results[-1])
     fast = read_wdinfo(str(wd))
-    assert calls
+    # pyarrow cannot type the mixed list of "extra": that one falls back to json
+    assert len(results) == 1 and (results[0] is None) == (name == "seed")
     for field in ("chunk_size", "total_key_count", "data_keys", "root", "wdinfo_root",
                   "modalities", "bucket", "count_source"):
         assert getattr(fast, field) == getattr(slow, field), field
