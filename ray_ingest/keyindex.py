@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: Tars in flight per worker thread (bounds the futures kept for million-shard datasets).
 _WINDOW_PER_WORKER = 64
+#: Tar URLs built at a time.
+_URL_BATCH = 65536
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -213,18 +215,24 @@ def index_dataset(
                                     total_key_count=w.total_key_count)
             per: dict[str, list[int | None]] = {}
             for m in mods:
-                tars = w.urls(m)
-                got = list(_bounded_map(pool, lambda u: index_tar(u, so, force), tars,
-                                        num_workers * _WINDOW_PER_WORKER))
-                per[m] = [c for c, _ in got]
-                rep.written += sum(1 for c, wrote in got if wrote)
-                rep.kept += sum(1 for c, wrote in got if c is not None and not wrote)
-                absent = [t for t, (c, _) in zip(tars, got, strict=True) if c is None]
+                tars = (u for a in range(0, len(w), _URL_BATCH)
+                        for u in w.urls(m, a, a + _URL_BATCH))
+                got = _bounded_map(pool, lambda u: (u, *index_tar(u, so, force)), tars,
+                                   num_workers * _WINDOW_PER_WORKER)
+                per[m] = []
+                absent, first_absent = 0, None
+                for tar, c, wrote in got:
+                    per[m].append(c)
+                    rep.written += wrote
+                    rep.kept += c is not None and not wrote
+                    if c is None:
+                        absent += 1
+                        first_absent = first_absent or tar
                 if absent:
                     if m == mods[0]:
-                        raise CatalogError(f"{url}: {len(absent)} of {len(tars)} {m} tars are "
-                                           f"missing (first: {absent[0]})")
-                    rep.missing[m] = [len(absent), absent[0]]
+                        raise CatalogError(f"{url}: {absent} of {len(w)} {m} tars are "
+                                           f"missing (first: {first_absent})")
+                    rep.missing[m] = [absent, first_absent]
             first = per[mods[0]]
             for i, c in enumerate(first):
                 other = {m: per[m][i] for m in mods[1:] if per[m][i] not in (None, c)}
