@@ -43,6 +43,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _rss_mib() -> float:
+    """Peak RSS of this process in MiB: VmHWM (reset by exec, unlike ru_maxrss, which a child
+    inherits from the parent's memory at fork time)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
