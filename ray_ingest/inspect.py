@@ -204,7 +204,7 @@ def iter_records(
     if limit is not None and limit <= 0:
         return
     catalog = load_catalog(list(paths) if not isinstance(paths, str) else paths,
-                           keys=keys, storage_options=dict(storage_options or {}), root=root)
+                           modalities=keys, storage_options=dict(storage_options or {}), root=root)
     opts = ReadOptions(align=align, optional=tuple(optional), index_path=index_path,
                        storage_options=dict(storage_options or {}))
     n = 0
