@@ -7,6 +7,8 @@ Sections: ``data`` (what to read), ``decode`` (how samples become tensors), ``lo
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,9 +16,13 @@ import attrs
 import fsspec
 import yaml
 
+from ray_ingest.catalog import ROOT_MODES, warn_renamed
 from ray_ingest.errors import ConfigError
-from ray_ingest.plan.assign import SEED_MODES
+from ray_ingest.plan.assign import PlanParams
+from ray_ingest.plan.settings import PlanSettings
 from ray_ingest.twin import ALIGN_MODES
+
+log = logging.getLogger(__name__)
 
 CROP_MODES = ("center", "random")
 ON_ERROR = ("raise", "skip")
@@ -65,12 +71,16 @@ class DataConfig:
     """Which twin-tar datasets to read and how to align them."""
 
     SECTION = "data"
+    #: Old field names still accepted in YAML (with a deprecation warning).
+    RENAMED = {"keys": "modalities", "optional_keys": "optional_modalities"}
     #: wdinfo.json files or folders searched for them (local, gs://, memory://).
     paths: tuple[str, ...] = attrs.field(converter=_tuple)
     #: Modality folders to read; the first drives alignment.
-    keys: tuple[str, ...] = attrs.field(default=("image", "caption"), converter=_tuple)
+    modalities: tuple[str, ...] = attrs.field(default=("image", "caption"), converter=_tuple)
     #: Modalities that may be absent for a sample.
-    optional_keys: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    optional_modalities: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    #: Where the tars are: the wdinfo's root (wdinfo, PiD's rule) or the folder holding it.
+    root: str = attrs.field(default="wdinfo", validator=_one_of(ROOT_MODES))
     #: Twin alignment: strict | merge | index.
     align: str = attrs.field(default="strict", validator=_one_of(ALIGN_MODES))
     #: Parquet key list for align=index.
@@ -83,10 +93,22 @@ class DataConfig:
         if not value:
             raise ConfigError("data.paths: expected at least one dataset path, got none")
 
-    @keys.validator
-    def _keys(self, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
+    @modalities.validator
+    def _modalities(self, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
         if not value:
-            raise ConfigError("data.keys: expected at least one modality, got none")
+            raise ConfigError("data.modalities: expected at least one modality, got none")
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Deprecated name of :attr:`modalities`."""
+        warn_renamed("DataConfig.keys", "modalities")
+        return self.modalities
+
+    @property
+    def optional_keys(self) -> tuple[str, ...]:
+        """Deprecated name of :attr:`optional_modalities`."""
+        warn_renamed("DataConfig.optional_keys", "optional_modalities")
+        return self.optional_modalities
 
 
 @attrs.frozen
@@ -135,22 +157,16 @@ class DecodeConfig:
 
 
 @attrs.frozen
-class LoaderConfig:
-    """Planning, batching, resume and error policy."""
+class LoaderConfig(PlanSettings):
+    """Planning, batching, resume and error policy.
+
+    seed, seed_mode, shuffle, repeat and equal_work are :class:`PlanSettings` (declared once,
+    shared with the planner and ``ray-ingest plan``).
+    """
 
     SECTION = "loader"
     #: Samples per batch on each rank.
     batch_size: int = attrs.field(default=16, validator=_at_least(1))
-    #: Root seed; every random choice derives from it.
-    seed: int = attrs.field(default=0, validator=_at_least(0))
-    #: epoch (per-epoch hashlib seeds) | pid (PiD's ShardlistBasic lists bit for bit).
-    seed_mode: str = attrs.field(default="epoch", validator=_one_of(SEED_MODES))
-    #: Shuffle shard lists.
-    shuffle: bool = True
-    #: PiD's cyclic repeat of the url list to a multiple of slots*workers.
-    repeat: bool = False
-    #: Give every data-parallel slot the same number of samples per epoch (pads by wrapping).
-    equal_work: bool = True
     #: Read streams per rank (PiD's DataLoader workers): shapes the shard lists.
     read_workers: int = attrs.field(default=2, validator=_at_least(1))
     #: Logical CPUs per read task.
@@ -182,6 +198,10 @@ class LoaderConfig:
     max_skips_per_epoch: int | None = attrs.field(default=1000, validator=_opt_at_least(0))
     #: Honour PiD's WDS_START_INDEX / WDS_EPOCH_NUM as a starting point (pid seed mode only).
     pid_env: bool = False
+
+    def plan_params(self, start_index: int = 0) -> PlanParams:
+        """The planner's parameters for this config (PiD's start index, if any, given)."""
+        return PlanParams.from_settings(self, start_index)
 
 
 @attrs.frozen
@@ -249,6 +269,16 @@ def _build(cls: type, doc: Any, section: str) -> Any:
         doc = {}
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{section}: expected a mapping, got {type(doc).__name__}")
+    doc = dict(doc)
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in doc:
+            if new in doc:
+                raise ConfigError(f"{section}.{old}: old name of {section}.{new}; got both, "
+                                  f"give only {section}.{new}")
+            msg = f"{section}.{old} is deprecated; use {section}.{new}"
+            warnings.warn(msg, DeprecationWarning, stacklevel=4)
+            log.warning(msg)
+            doc[new] = doc.pop(old)
     names = {a.name for a in attrs.fields(cls)}
     unknown = sorted(set(doc) - names)
     if unknown:

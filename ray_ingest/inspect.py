@@ -17,7 +17,13 @@ from typing import Any
 
 import fsspec
 
-from ray_ingest.catalog import DEFAULT_KEYS, load_catalog, read_wdinfo
+from ray_ingest.catalog import (
+    DEFAULT_MODALITIES,
+    check_roots,
+    load_catalog,
+    read_wdinfo,
+    same_place,
+)
 from ray_ingest.catalog import discover as discover_wdinfos
 from ray_ingest.errors import CatalogError
 from ray_ingest.reader import ReadOptions, read_shard
@@ -53,12 +59,15 @@ def summarize(
     paths: str | Sequence[str],
     keys: Sequence[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    root: str = "wdinfo",
 ) -> dict[str, Any]:
     """Summary of the datasets under ``paths`` (wdinfo.json files or folders searched for them).
 
     Returns a JSON-able dict: ``datasets`` (wdinfo files), ``shards``, ``samples``,
     ``modalities``, ``bytes`` (tar bytes per modality), ``buckets`` (aspect-ratio bucket ->
-    samples) and ``wdinfos`` (one entry per file with the same fields).
+    samples) and ``wdinfos`` (one entry per file with the same fields, plus ``root`` in use,
+    ``wdinfo_root``, ``folder`` and where the per-shard counts come from). ``root``: read the
+    tars under each wdinfo's ``root`` (``wdinfo``) or the folder holding it (``folder``).
 
     Raises:
         CatalogError: a wdinfo is missing or malformed, or a listed tar does not exist.
@@ -72,29 +81,32 @@ def summarize(
     total: dict[str, Any] = {"datasets": 0, "shards": 0, "samples": 0, "modalities": [],
                              "bytes": {}, "buckets": {}, "wdinfos": []}
     for url in urls:
-        probe = read_wdinfo(url, storage_options=so)
-        mods = tuple(keys) if keys else (probe.data_keys or DEFAULT_KEYS)
-        shards = probe.tar_files
-        tar_urls = {m: [s.url(m) for s in shards] for m in mods}
+        probe = read_wdinfo(url, keys or None, storage_options=so, root=root)
+        mods = tuple(keys) if keys else (probe.data_keys or DEFAULT_MODALITIES)
+        probe = probe._replace(modalities=mods)
+        check_roots([probe], [so], root)
         nbytes: dict[str, int] = {}
         for m in mods:
-            sizes = _tar_sizes(tar_urls[m], so)
-            missing = [u for u in tar_urls[m] if sizes[u] is None]
+            tar_urls = probe.urls(m)
+            sizes = _tar_sizes(tar_urls, so)
+            missing = [u for u in tar_urls if sizes[u] is None]
             if missing:
                 raise CatalogError(
-                    f"{url}: {len(missing)} of {len(shards)} {m} tars are missing "
+                    f"{url}: {len(missing)} of {len(probe)} {m} tars are missing "
                     f"(first: {missing[0]})"
                 )
             nbytes[m] = sum(v for v in sizes.values() if v is not None)
-        counts = [s.count for s in shards]
-        samples = sum(c for c in counts if c is not None) if None not in counts \
-            else probe.total_key_count
-        bucket = shards[0].bucket if shards else None
+        samples = (int(probe.counts.sum()) if probe.counts is not None
+                   else probe.total_key_count)
+        bucket = probe.bucket
         entry = {
             "wdinfo": url,
-            "root": shards[0].root if shards else None,
-            "shards": len(shards),
+            "root": probe.root,
+            "wdinfo_root": probe.wdinfo_root,
+            "folder": probe.folder,
+            "shards": len(probe),
             "samples": samples,
+            "counts": probe.count_source,
             "chunk_size": probe.chunk_size,
             "modalities": list(mods),
             "bytes": nbytes,
@@ -102,7 +114,7 @@ def summarize(
         }
         total["wdinfos"].append(entry)
         total["datasets"] += 1
-        total["shards"] += len(shards)
+        total["shards"] += len(probe)
         total["samples"] += samples
         for m in mods:
             if m not in total["modalities"]:
@@ -137,8 +149,17 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             f"{b} {n}" for b, n in summary["buckets"].items()))
     for w in summary["wdinfos"]:
         extra = f", bucket {w['bucket']}" if w["bucket"] else ""
+        counts = w.get("counts") or "unknown (total_key_count only)"
         lines.append(f"  {w['wdinfo']}: {w['shards']} shards, {w['samples']} samples, "
-                     f"chunk_size {w['chunk_size']}{extra}")
+                     f"chunk_size {w['chunk_size']}{extra}, counts from {counts}")
+        if same_place(w["wdinfo_root"], w["folder"]):
+            lines.append(f"    root: {w['root']}")
+        else:
+            mode, other, other_mode = (("wdinfo", w["folder"], "folder")
+                                       if w["root"] == w["wdinfo_root"]
+                                       else ("folder", w["wdinfo_root"], "wdinfo"))
+            lines.append(f"    root: {w['root']} (data.root: {mode}); the other choice: "
+                         f"{other} (--root {other_mode})")
     return "\n".join(lines)
 
 
@@ -165,6 +186,7 @@ def iter_records(
     limit: int | None = None,
     stats: AlignStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    root: str = "wdinfo",
 ) -> Iterator[dict[str, Any]]:
     """Records of every sample of the datasets under ``paths``, in catalog order.
 
@@ -177,11 +199,12 @@ def iter_records(
         limit: stop after this many records.
         stats: alignment counters to update (merge/index skips).
         storage_options: fsspec options.
+        root: ``wdinfo`` (the wdinfo's root) or ``folder`` (the folder holding it).
     """
     if limit is not None and limit <= 0:
         return
     catalog = load_catalog(list(paths) if not isinstance(paths, str) else paths,
-                           keys=keys, storage_options=dict(storage_options or {}))
+                           modalities=keys, storage_options=dict(storage_options or {}), root=root)
     opts = ReadOptions(align=align, optional=tuple(optional), index_path=index_path,
                        storage_options=dict(storage_options or {}))
     n = 0

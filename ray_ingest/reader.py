@@ -54,7 +54,7 @@ class ReadOptions:
 
 def read_options(data: Any) -> ReadOptions:
     """The read options a ``data`` config section (:class:`ray_ingest.config.DataConfig`) asks for."""
-    return ReadOptions(align=data.align, optional=data.optional_keys, index_path=data.index_path,
+    return ReadOptions(align=data.align, optional=data.optional_modalities, index_path=data.index_path,
                        storage_options=dict(data.storage_options))
 
 

@@ -48,9 +48,7 @@ DATA_STATS_KEPT = 4
 
 
 def plan_params(cfg: Config, start_index: int = 0) -> PlanParams:
-    lc = cfg.loader
-    return PlanParams(seed=lc.seed, seed_mode=lc.seed_mode, shuffle=lc.shuffle, repeat=lc.repeat,
-                      equal_work=lc.equal_work, start_index=start_index)
+    return cfg.loader.plan_params(start_index)
 
 
 class IngestLoader:
@@ -80,9 +78,10 @@ class IngestLoader:
             raise ConfigError(f"loader.ordered: expected true with parallel groups "
                               f"(group_size {topology.group_size}), got false")
         self.cfg, self.topology, self.device = cfg, topology, device
-        self.catalog = catalog or load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
+        self.catalog = catalog or load_catalog(list(cfg.data.paths),
+                                               modalities=cfg.data.modalities,
                                                storage_options=cfg.data.storage_options,
-                                               cache=True)
+                                               cache=True, root=cfg.data.root)
         self.counts = self.catalog.counts
         bsz = cfg.loader.batch_size
         params = plan_params(cfg, start_index)
@@ -96,8 +95,7 @@ class IngestLoader:
         self.skips = SkipFilter(cfg.loader.max_skips_per_shard, cfg.loader.max_skips_per_epoch,
                                 lambda sid: self.catalog.shards[sid].path, topology.rank)
         self.batcher = BucketBatcher(bsz, bucketing=bool(cfg.decode.buckets))
-        self.shard_bucket = ([s.bucket or "" for s in self.catalog.shards]
-                             if cfg.decode.buckets else None)
+        self.shard_bucket = self.catalog.buckets if cfg.decode.buckets else None
         self._open_execution = open_execution or self._ray_execution
         self.clock = StageClock()
         self.data_stats: list[str] = []

@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                      runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})
     try:
         catalog = load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
-                               storage_options=cfg.data.storage_options)
+                               storage_options=cfg.data.storage_options, root=cfg.data.root)
+        catalog.require_counts()  # resolved once here, not by every rank
     except IngestError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2

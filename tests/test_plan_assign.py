@@ -28,7 +28,7 @@ from ray_ingest.plan import (
     worker_seed,
 )
 
-PID = PlanParams(seed_mode="pid")
+PID = PlanParams(seed_mode="pid", repeat=True)
 
 
 def urls_of(n: int) -> list[str]:
@@ -118,7 +118,7 @@ def test_random_shuffle_reference_values():
 
 
 def test_cyclic_extras_flagged_pad_e1():
-    lists = assign_epoch(10, 1, 2, 2, PlanParams(seed_mode="pid", shuffle=False))
+    lists = assign_epoch(10, 1, 2, 2, PlanParams(seed_mode="pid", shuffle=False, repeat=True))
     assert lists[0][1].pad == (False, False, True)
     assert lists[1][1].pad == (False, False, True)
     assert not any(lists[0][0].pad) and not any(lists[1][0].pad)
@@ -152,13 +152,13 @@ def test_chunk_size_zero_is_config_error():
     with pytest.raises(ConfigError, match="chunk_size"):
         assign_worker(10, 0, 0, 2, 0, 2, PID)
     with pytest.raises(ConfigError, match="chunk_size"):
-        assign_epoch(10, 0, 2, 2, PlanParams(seed_mode="pid", start_index=5))
+        assign_epoch(10, 0, 2, 2, PlanParams(seed_mode="pid", start_index=5, repeat=True))
 
 
 def test_pid_mode_ignores_epoch_and_seed():
     a = assign_epoch(23, 1, 3, 2, PID, epoch=0)
     assert assign_epoch(23, 1, 3, 2, PID, epoch=5) == a
-    assert assign_epoch(23, 1, 3, 2, PlanParams(seed=9, seed_mode="pid"), epoch=5) == a
+    assert assign_epoch(23, 1, 3, 2, PlanParams(seed=9, seed_mode="pid", repeat=True), epoch=5) == a
 
 
 # --- epoch mode: the owned permutation, pinned ----------------------------------------------------
@@ -202,19 +202,20 @@ def test_epoch_order_golden():
 
 
 def test_epoch_mode_golden_lists():
-    got = [[w.shards for w in slot] for slot in assign_epoch(10, 1, 2, 2, PlanParams())]
+    params = PlanParams(repeat=True)
+    got = [[w.shards for w in slot] for slot in assign_epoch(10, 1, 2, 2, params)]
     assert got == [[(4, 9, 6), (2, 3, 9)], [(0, 8, 5), (8, 7, 1)]]
-    got = [[w.shards for w in slot] for slot in assign_epoch(10, 1, 2, 2, PlanParams(), 1)]
+    got = [[w.shards for w in slot] for slot in assign_epoch(10, 1, 2, 2, params, 1)]
     assert got == [[(2, 3, 6), (0, 3, 8)], [(9, 5, 4), (7, 1, 9)]]
 
 
 def test_epoch_mode_deterministic_and_epoch_dependent():
-    params = PlanParams(seed=11)
+    params = PlanParams(seed=11, repeat=True)
     a0 = assign_epoch(64, 1, 3, 2, params, epoch=0)
     assert assign_epoch(64, 1, 3, 2, params, epoch=0) == a0
     a1 = assign_epoch(64, 1, 3, 2, params, epoch=1)
     assert a1 != a0
-    assert assign_epoch(64, 1, 3, 2, PlanParams(seed=12), epoch=0) != a0
+    assert assign_epoch(64, 1, 3, 2, PlanParams(seed=12, repeat=True), epoch=0) != a0
     # Same shard multiset per epoch regardless of the reshuffle (without repeat).
     flat = lambda lists: sorted(s for slot in lists for w in slot for s in w.shards)  # noqa: E731
     p = PlanParams(seed=11, repeat=False)
@@ -224,8 +225,8 @@ def test_epoch_mode_deterministic_and_epoch_dependent():
 # --- invariants over grids ------------------------------------------------------------------------
 
 
-MODES = (PlanParams(seed_mode="pid"), PlanParams(seed=3), PlanParams(seed_mode="pid",
-                                                                   shuffle=False))
+MODES = (PlanParams(seed_mode="pid", repeat=True), PlanParams(seed=3, repeat=True),
+         PlanParams(seed_mode="pid", shuffle=False, repeat=True))
 
 
 @pytest.mark.parametrize("base", MODES, ids=["pid", "epoch", "pid-noshuffle"])
@@ -260,7 +261,8 @@ def test_with_repeat_extras_only_from_cyclic_wrap(base, n, slots, workers):
     assert sorted(extra) == sorted(wrap)
 
 
-@pytest.mark.parametrize("params", [PID, PlanParams(seed=5), PlanParams(start_index=9)])
+@pytest.mark.parametrize("params", [PID, PlanParams(seed=5, repeat=True),
+                                    PlanParams(start_index=9, repeat=True)])
 def test_ranks_of_a_group_get_identical_lists(params):
     world, workers, group = 8, 3, 4
     for w in range(workers):
@@ -272,9 +274,9 @@ def test_ranks_of_a_group_get_identical_lists(params):
 
 
 def test_start_index_skip_drops_head_of_each_worker():
-    full = assign_slot(40, 5, 1, 2, 3, PlanParams(seed=1))
+    full = assign_slot(40, 5, 1, 2, 3, PlanParams(seed=1, repeat=True))
     # start_index 31 // chunk 5 = 6 chunks seen; 6 // 3 workers = 2 shards skipped per worker.
-    skipped = assign_slot(40, 5, 1, 2, 3, PlanParams(seed=1, start_index=31))
+    skipped = assign_slot(40, 5, 1, 2, 3, PlanParams(seed=1, start_index=31, repeat=True))
     for a, b in zip(full, skipped, strict=True):
         assert b.shards == a.shards[2:] and b.pad == a.pad[2:]
 
@@ -297,7 +299,7 @@ def test_argument_validation():
 
 
 def test_empty_catalog_gives_empty_lists():
-    lists = assign_epoch(0, 1, 2, 2, PlanParams())
+    lists = assign_epoch(0, 1, 2, 2, PlanParams(repeat=True))
     assert all(len(w) == 0 for slot in lists for w in slot)
 
 

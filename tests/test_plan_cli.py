@@ -29,7 +29,7 @@ def tar(i):
 def test_single_worker_lines_pid(tmp_path, capsys):
     path = write_wdinfo(tmp_path)
     rc = main(["plan", str(path), "--world-size", "2", "--num-workers", "2", "--rank", "1",
-               "--worker", "1", "--seed-mode", "pid"])
+               "--worker", "1", "--seed-mode", "pid", "--repeat"])
     assert rc == 0
     # E2: rank 1 / worker 1 -> u7, u1, u3
     assert capsys.readouterr().out.splitlines() == [tar(7), tar(1), tar(3)]
@@ -38,7 +38,7 @@ def test_single_worker_lines_pid(tmp_path, capsys):
 def test_json_all_ranks_with_groups(tmp_path, capsys):
     write_wdinfo(tmp_path / "ds")
     rc = main(["plan", str(tmp_path), "--world-size", "4", "--num-workers", "2",
-               "--group-size", "2", "--seed-mode", "pid", "--json"])
+               "--group-size", "2", "--seed-mode", "pid", "--repeat", "--json"])
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["rank"], r["worker"], r["group"]) for r in rows] == [

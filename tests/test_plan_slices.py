@@ -58,7 +58,7 @@ def test_interleave_round_robin_skips_exhausted():
 
 
 def test_plan_slot_pid_stream_without_equal_work():
-    params = PlanParams(seed_mode="pid", equal_work=False)
+    params = PlanParams(seed_mode="pid", equal_work=False, repeat=True)
     # E2 rank 0: w0 [0,8,4], w1 [6,0*,2]  (* cyclic extra)
     got = plan_slot([10] * 10, 10, 0, 2, 2, params)
     assert [(s.shard, s.pad) for s in got] == [
@@ -66,9 +66,9 @@ def test_plan_slot_pid_stream_without_equal_work():
 
 
 PARAMS = [
-    PlanParams(),
+    PlanParams(repeat=True),
     PlanParams(seed=4, repeat=False),
-    PlanParams(seed_mode="pid"),
+    PlanParams(seed_mode="pid", repeat=True),
     PlanParams(seed_mode="pid", repeat=False, shuffle=False),
 ]
 
@@ -97,7 +97,7 @@ def test_equal_work_and_exact_coverage(params, slots, workers, epoch):
 
 
 def test_equal_work_off_gives_raw_totals():
-    params = PlanParams(seed=2, equal_work=False)
+    params = PlanParams(seed=2, equal_work=False, repeat=True)
     plans = plan_epoch(COUNTS, 4, 3, 2, params, 1)
     assert [total(p) for p in plans] == slot_totals(COUNTS, 4, 3, 2, params, 1).tolist()
 
@@ -113,13 +113,13 @@ def test_empty_slot_pads_from_epoch_order():
 
 def test_slot_only_of_repeats_pads_from_its_stream():
     # 1 shard, 3 slots with repeat: slots 1 and 2 hold only cyclic extras of shard 0.
-    plans = plan_epoch([4], 1, 3, 1, PlanParams(seed_mode="pid"))
+    plans = plan_epoch([4], 1, 3, 1, PlanParams(seed_mode="pid", repeat=True))
     assert plans == [(ShardSlice(0, 0, 4),), (ShardSlice(0, 0, 4, True),),
                      (ShardSlice(0, 0, 4, True),)]
 
 
 def test_start_index_skip_keeps_equal_work_exact():
-    params = PlanParams(seed=1, start_index=13)
+    params = PlanParams(seed=1, start_index=13, repeat=True)
     counts = [5, 1, 8, 3, 3, 9, 2, 4, 7, 6, 1, 2, 8, 5]
     plans = plan_epoch(counts, 4, 3, 2, params, 2)
     raw = slot_totals(counts, 4, 3, 2, params, 2)

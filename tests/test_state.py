@@ -313,7 +313,7 @@ def test_with_topology_same_topology_keeps_the_generation():
 
 
 def test_next_epoch_starts_fresh_and_forgets_the_start_index():
-    params = PlanParams(seed_mode="pid", start_index=3 * CHUNK * 2)
+    params = PlanParams(seed_mode="pid", start_index=3 * CHUNK * 2, repeat=True)
     s = initial_state(FP, params, 4, topo(2, 2), {})
     s = with_progress(s, 0, ((0, 5),), 1, [(1, 1, "x")])
     s = with_topology(s, topo(1, 2))
@@ -398,8 +398,9 @@ def test_check_compatible_names_what_changed():
 
 def test_check_compatible_lets_the_saved_start_index_win():
     """A restored position supersedes a PiD WDS_START_INDEX starting point (either way)."""
-    started = initial_state(FP, PlanParams(seed_mode="pid", start_index=64), 0, topo(2), {})
-    started.check_compatible(FP, PlanParams(seed_mode="pid", start_index=0))
+    started = initial_state(FP, PlanParams(seed_mode="pid", start_index=64, repeat=True), 0,
+                            topo(2), {})
+    started.check_compatible(FP, PlanParams(seed_mode="pid", start_index=0, repeat=True))
     state_for().check_compatible(FP, PlanParams(seed=3, repeat=False, start_index=64))
 
 

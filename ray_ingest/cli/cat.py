@@ -6,6 +6,7 @@ import json
 
 import click
 
+from ray_ingest.catalog import ROOT_MODES
 from ray_ingest.errors import IngestError
 from ray_ingest.inspect import iter_records
 from ray_ingest.twin import ALIGN_MODES, AlignStats
@@ -25,8 +26,10 @@ def _csv(text: str | None) -> list[str] | None:
 @click.option("--optional", default=None,
               help="Comma-separated modalities that may lack a sample or a tar.")
 @click.option("--limit", type=int, default=None, help="Stop after N samples.")
+@click.option("--root", "root_mode", type=click.Choice(ROOT_MODES), default="wdinfo",
+              show_default=True, help="Tars under the wdinfo's root, or the folder holding it.")
 def command(paths: tuple[str, ...], keys: str | None, align: str, index_path: str | None,
-            optional: str | None, limit: int | None) -> None:
+            optional: str | None, limit: int | None, root_mode: str) -> None:
     """One JSON line per sample of PATH... (wdinfo.json files or folders searched for them):
     {"key", "shard", "index", "<modality>": {"ext", "bytes", "sha1"}}."""
     if align == "index" and index_path is None:
@@ -34,7 +37,8 @@ def command(paths: tuple[str, ...], keys: str | None, align: str, index_path: st
     stats = AlignStats()
     try:
         for rec in iter_records(list(paths), _csv(keys), align=align, index_path=index_path,
-                                optional=_csv(optional) or (), limit=limit, stats=stats):
+                                optional=_csv(optional) or (), limit=limit, stats=stats,
+                                root=root_mode):
             click.echo(json.dumps(rec))
     except OSError as exc:
         raise IngestError(f"read failed: {exc}") from None

@@ -22,6 +22,7 @@ from ray_ingest.plan.assign import (
     worker_seed,
 )
 from ray_ingest.plan.detect import detect_topology, pid_env_start, ray_train_rank
+from ray_ingest.plan.settings import DEFAULT_SETTINGS, SETTING_NAMES, PlanSettings
 from ray_ingest.plan.slices import (
     ShardSlice,
     balance,
@@ -36,8 +37,11 @@ from ray_ingest.plan.topology import Topology, check_int
 
 __all__ = [
     "DEFAULT_PARAMS",
+    "DEFAULT_SETTINGS",
     "PlanParams",
+    "PlanSettings",
     "SEED_MODES",
+    "SETTING_NAMES",
     "ShardSlice",
     "Topology",
     "WorkerShards",

@@ -27,21 +27,12 @@ import attrs
 import numpy as np
 
 from ray_ingest.errors import ConfigError
+from ray_ingest.plan.settings import SEED_MODES, PlanSettings, check_seed_mode  # noqa: F401
 from ray_ingest.plan.topology import Topology, check_int
-
-#: Valid ``seed_mode`` values: ``epoch`` (default, reshuffles per epoch) and ``pid`` (bit-exact).
-SEED_MODES = ("epoch", "pid")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
-
-
-def check_seed_mode(field: str, value: object) -> str:
-    """Validate a seed mode name, listing the valid ones in the error."""
-    if value not in SEED_MODES:
-        raise ConfigError(f"{field}: expected one of {', '.join(SEED_MODES)}, got {value!r}")
-    return str(value)
 
 
 def _digest64(text: str) -> int:
@@ -104,40 +95,31 @@ def skip_count(start_index: int, chunk_size: int, num_workers: int) -> int:
     return (start_index // chunk_size) // num_workers
 
 
-def _check_bool(field: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{field}: expected a bool, got {value!r} ({type(value).__name__})")
-    return value
+def _start_index(inst: object, attribute: attrs.Attribute, value: object) -> None:
+    check_int("PlanParams.start_index", value, 0)
 
 
 @attrs.frozen
-class PlanParams:
-    """How an epoch is planned (everything but the topology, the catalog and the epoch)."""
+class PlanParams(PlanSettings):
+    """How an epoch is planned (everything but the topology, the catalog and the epoch).
 
-    #: Run seed; only ``epoch`` mode uses it.
-    seed: int = 0
-    #: ``"epoch"`` (hash-seeded per epoch) or ``"pid"`` (PiD's url lists bit for bit).
-    seed_mode: str = "epoch"
-    #: Shuffle each worker list (PiD ``shuffle``).
-    shuffle: bool = True
-    #: Extend cyclically to a multiple of ``slots * num_workers`` (PiD ``repeat_url``).
-    repeat: bool = True
-    #: Pad every slot to the same number of samples per epoch (planned duplicates).
-    equal_work: bool = True
+    The settings (seed, seed_mode, shuffle, repeat, equal_work) and their defaults come from
+    :class:`~ray_ingest.plan.settings.PlanSettings`, shared with ``loader.*`` and
+    ``ray-ingest plan``; ``LoaderConfig.plan_params()`` builds one from a config.
+    """
+
+    SECTION = "PlanParams"
     #: PiD's ``WDS_START_INDEX``: drop ``start_index // chunk_size // num_workers`` shards
     #: from the head of every worker list. 0 disables it.
-    start_index: int = 0
+    start_index: int = attrs.field(default=0, validator=_start_index)
 
-    def __attrs_post_init__(self) -> None:
-        check_int("PlanParams.seed", self.seed)
-        check_seed_mode("PlanParams.seed_mode", self.seed_mode)
-        _check_bool("PlanParams.shuffle", self.shuffle)
-        _check_bool("PlanParams.repeat", self.repeat)
-        _check_bool("PlanParams.equal_work", self.equal_work)
-        check_int("PlanParams.start_index", self.start_index, 0)
+    @classmethod
+    def from_settings(cls, settings: PlanSettings, start_index: int = 0) -> PlanParams:
+        """The planner's parameters for ``settings`` (a ``LoaderConfig`` works too)."""
+        return cls(**settings.settings(), start_index=start_index)
 
 
-#: The default parameters (epoch mode, seed 0, shuffle, repeat, equal work).
+#: The default parameters (epoch mode, seed 0, shuffle, no repeat, equal work).
 DEFAULT_PARAMS = PlanParams()
 
 

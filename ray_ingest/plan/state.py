@@ -25,6 +25,7 @@ import attrs
 
 from ray_ingest.errors import StateError
 from ray_ingest.plan.assign import SEED_MODES, PlanParams
+from ray_ingest.plan.settings import DEFAULT_SETTINGS, SETTING_NAMES
 from ray_ingest.plan.slices import ShardSlice, balance, plan_epoch, plan_slot
 from ray_ingest.plan.topology import Topology
 
@@ -219,9 +220,14 @@ class ReadState:
                     f"read state field {field!r}: saved {value!r}, this run uses {mine[field]!r}")
 
 
-#: Plan fields a state records, and their types.
-PLAN_FIELDS: dict[str, type] = {"shuffle": bool, "repeat": bool, "equal_work": bool,
-                                "start_index": int}
+#: Plan fields a state records under ``plan``, and their types: the planning settings
+#: (:class:`~ray_ingest.plan.settings.PlanSettings`) other than seed and seed_mode, which are
+#: top-level fields, plus PiD's start index.
+PLAN_FIELDS: dict[str, type] = {
+    **{name: type(getattr(DEFAULT_SETTINGS, name)) for name in SETTING_NAMES
+       if name not in ("seed", "seed_mode")},
+    "start_index": int,
+}
 
 _MISSING = object()
 
@@ -294,9 +300,7 @@ def _generation(doc: Any, where: str) -> Generation:
 
 
 def params_dict(params: PlanParams) -> dict[str, Any]:
-    return {"seed": params.seed, "seed_mode": params.seed_mode, "shuffle": params.shuffle,
-            "repeat": params.repeat, "equal_work": params.equal_work,
-            "start_index": params.start_index}
+    return {**params.settings(), "start_index": params.start_index}
 
 
 def initial_state(fingerprint: str, params: PlanParams, epoch: int, topo: Topology,
