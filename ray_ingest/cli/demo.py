@@ -21,7 +21,7 @@ def command(out: str, samples: int, shard_size: int, config_path: str, max_steps
     """Run the end-to-end demo on an embedded local Ray (CPU)."""
     from ray_ingest.audit import audit, read_ledgers
     from ray_ingest.catalog import load_catalog
-    from ray_ingest.inspect import format_summary, summarize
+    from ray_ingest.summary import format_summary, summarize
     from ray_ingest.synth import synth_dataset
     from ray_ingest.train import main as train_main
 

@@ -1,4 +1,4 @@
-"""``ray-ingest info``: summary of datasets (:func:`ray_ingest.inspect.summarize`)."""
+"""``ray-ingest info``: summary of datasets (:func:`ray_ingest.summary.summarize`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import click
 
 from ray_ingest.errors import IngestError
-from ray_ingest.inspect import format_summary, summarize
+from ray_ingest.summary import format_summary, summarize
 
 
 @click.command("info")
