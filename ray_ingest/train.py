@@ -66,10 +66,21 @@ def parse_step_log(line: str) -> dict[str, Any] | None:
 
 
 def _ledger_append(path: str, record: dict[str, Any]) -> None:
-    # "t" (wall clock) lets the audit roll back ranks that a re-run with fewer workers lacks
-    record = {**record, "t": round(time.time(), 3)}
     with open(path, "a") as f:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def _ledger_attempt(audit_dir: str, rank: int) -> int:
+    """This (re)start's attempt number, the same on every rank (see :mod:`ray_ingest.audit`):
+    rank 0 counts the start events in its own ledger and broadcasts the number."""
+    import torch.distributed as dist
+
+    from ray_ingest.audit import next_attempt
+
+    attempt = [next_attempt(os.path.join(audit_dir, "rank_00000.jsonl")) if rank == 0 else -1]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(attempt, src=0)
+    return int(attempt[0])
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -116,7 +127,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if audit_dir:
         os.makedirs(audit_dir, exist_ok=True)
         ledger = os.path.join(audit_dir, f"rank_{rank:05d}.jsonl")
-        _ledger_append(ledger, {"event": "start", "rank": rank, "world": world,
+        _ledger_append(ledger, {"event": "start", "attempt": _ledger_attempt(audit_dir, rank),
+                                "rank": rank, "world": world,
                                 "slot": topo.slot, "resume_step": global_step,
                                 "epoch": loader.state.epoch})
     fail_at = config.get("fail_at_step")
