@@ -27,7 +27,7 @@ from ray.data.datasource import Datasource, ReadTask
 from ray_ingest.catalog import TarSample
 from ray_ingest.errors import IngestError
 from ray_ingest.reader import ReadOptions, read_shard
-from ray_ingest.twin import INDEX, KEY, SHARD, ext_column
+from ray_ingest.twin import ERROR, INDEX, KEY, SHARD, ext_column
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,14 @@ def read_item(
     next_index = item.start
     last_key = None
     try:
-        for row in read_shard(shard, item.start, item.count, opts):
-            add(row)
+        for row in read_shard(shard, item.start, item.count, opts, on_error=on_error):
+            if row.get(ERROR) is not None:  # one unreadable sample (on_error=skip)
+                reason = _reason(row[ERROR])
+                log.warning("skip shard %s key %s index %d: %s", shard.path, row[KEY],
+                            row[INDEX], reason)
+                add(row, error=reason)
+            else:
+                add(row)
             next_index = row[INDEX] + 1
             last_key = row[KEY]
             if len(cols[KEY]) >= block_rows:
@@ -115,7 +121,7 @@ def read_item(
     except (IngestError, OSError) as exc:
         if on_error != "skip":
             raise _located(exc, shard.path, next_index, last_key) from None
-        reason = f"read: {type(exc).__name__}: {exc}".replace("\n", " ")
+        reason = _reason(exc)
         log.warning("skip shard %s samples %d..%d: %s", shard.path, next_index,
                     item.start + item.count - 1, reason)
         for index in range(next_index, item.start + item.count):
@@ -124,6 +130,11 @@ def read_item(
                 yield flush()
     if cols[KEY]:
         yield flush()
+
+
+def _reason(exc: BaseException) -> str:
+    """Skip reason of a read failure, as the read state records it."""
+    return f"read: {type(exc).__name__}: {exc}".replace("\n", " ")
 
 
 def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -> IngestError:

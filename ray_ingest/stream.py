@@ -66,7 +66,8 @@ def plan_params(cfg: Config, start_index: int = 0) -> PlanParams:
 def read_options(cfg: Config) -> ReadOptions:
     dc = cfg.data
     return ReadOptions(align=dc.align, optional=dc.optional_keys, index_path=dc.index_path,
-                       storage_options=dict(dc.storage_options))
+                       storage_options=dict(dc.storage_options), window=dc.max_read_ahead,
+                       max_member_bytes=cfg.decode.max_member_bytes)
 
 
 def read_items(stream: Sequence[ShardSlice], consumed: Ranges,
