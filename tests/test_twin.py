@@ -410,3 +410,24 @@ def test_rows_carry_provenance(tmp_path_factory):
     (row,) = read_shard(shard)
     assert row[SHARD] == SHARD_PATH and row[INDEX] == 0 and row[KEY] == "a"
     assert row[ext_column("image")] == "jpg" and row[ext_column("caption")] == "json"
+
+
+def test_read_task_records_a_key_beyond_read_ahead_as_a_read_skip(tmp_path_factory):
+    """Under on_error=skip the read task marks just that sample (``__error__``), like every
+    read skip the loader records in the read state; the other samples are read."""
+    from ray_ingest.source import ReadItem, read_item
+
+    case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}
+    shard = _write(tmp_path_factory, case)
+    opts = ReadOptions(align="merge", window=2)
+    [block] = list(read_item(shard, ReadItem(seq=10, sid=3, start=0, count=8), opts, 64,
+                             on_error="skip"))
+    rows = block.to_pylist()
+    assert [r[KEY] for r in rows] == list("abcdefgh")
+    errors = {r[KEY]: r["__error__"] for r in rows if r["__error__"]}
+    assert list(errors) == ["b"]
+    assert errors["b"].startswith(f"read: AlignmentError: shard {SHARD_PATH}: key b not found in "
+                                  "caption within 2 members read ahead (data.max_read_ahead)")
+    assert [(r["__seq__"], r["__index__"]) for r in rows if r[KEY] == "b"] == [(11, 1)]
+    with pytest.raises(AlignmentError, match=r"index 1 \(after key a\): key b not found"):
+        list(read_item(shard, ReadItem(seq=10, sid=3, start=0, count=8), opts, 64))
