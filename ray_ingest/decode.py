@@ -41,7 +41,7 @@ UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
 CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
 #: Provenance columns carried through decode unchanged.
 PASSTHROUGH = ("__key__", "__shard__", "__index__", "__sid__", "__seq__", "__pad__", "__bucket__",
-               "__t_read__")
+               "__t_read__", "__bytes__")
 DECODE_TIME = "__t_decode__"
 ERROR = "__error__"
 ACTOR = "__actor__"

@@ -8,15 +8,17 @@ in lockstep and yields Arrow blocks of raw bytes plus provenance:
 ``__key__`` ``__shard__`` ``__index__`` (position in the shard), ``__sid__`` (shard number in
 the catalog), ``__seq__`` (position in the rank's stream, what the read state records),
 ``__pad__`` (planned duplicate), ``__bucket__`` (aspect bucket of the shard), ``__error__``
-(non-empty for a sample skipped under ``on_error=skip``), then one binary column and one
-extension column per modality.
+(non-empty for a sample skipped under ``on_error=skip``), ``__bytes__`` (member payload bytes
+read for the sample, summed per rank by the loader), then one binary column and one extension
+column per modality. Bytes read and remote retries are also recorded as Ray metrics
+(:mod:`ray_ingest.metrics`) under the tags of the loader that planned the read.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -24,6 +26,7 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from ray_ingest import metrics
 from ray_ingest.catalog import TarSample
 from ray_ingest.errors import IngestError
 from ray_ingest.reader import ReadOptions, read_shard
@@ -57,6 +60,7 @@ def _schema(modalities: Sequence[str]) -> pa.Schema:
         pa.field("__bucket__", pa.string()),
         pa.field("__error__", pa.string()),
         pa.field("__t_read__", pa.float64()),
+        pa.field("__bytes__", pa.int64()),
     ]
     for m in modalities:
         fields.append(pa.field(m, pa.binary()))
@@ -70,8 +74,15 @@ def read_item(
     opts: ReadOptions,
     block_rows: int,
     on_error: str = "raise",
+    metric_tags: Mapping[str, str] | None = None,
 ) -> Iterator[pa.Table]:
     """Generator behind one ReadTask: Arrow blocks of at most ``block_rows`` rows."""
+    with metrics.read_scope(metric_tags):
+        yield from _read_item(shard, item, opts, block_rows, on_error)
+
+
+def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int,
+               on_error: str) -> Iterator[pa.Table]:
     schema = _schema(shard.keys)
     names = schema.names
     cols: dict[str, list[Any]] = {n: [] for n in names}
@@ -82,6 +93,7 @@ def read_item(
     def flush() -> pa.Table:
         n = len(cols[KEY])
         cols["__t_read__"].extend([(time.perf_counter() - clock[0]) / max(n, 1)] * n)
+        metrics.on_bytes_read(sum(cols["__bytes__"]))
         table = pa.table({n: pa.array(cols[n], type=schema.field(n).type) for n in names},
                          schema=schema)
         for n in names:
@@ -98,6 +110,7 @@ def read_item(
         cols["__pad__"].append(item.pad)
         cols["__bucket__"].append(bucket)
         cols["__error__"].append(error)
+        cols["__bytes__"].append(sum(len(row[m]) for m in shard.keys if row.get(m) is not None))
         for m in shard.keys:
             cols[m].append(row.get(m))
             cols[ext_column(m)].append(row.get(ext_column(m)))
@@ -161,6 +174,7 @@ class TwinTarDatasource(Datasource):
         block_rows: int = 64,
         on_error: str = "raise",
         sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+        metric_tags: Mapping[str, str] | None = None,
     ):
         super().__init__()
         self._shards = {it.sid: shards[it.sid] for it in items}
@@ -169,6 +183,7 @@ class TwinTarDatasource(Datasource):
         self._block_rows = block_rows
         self._on_error = on_error
         self._sample_bytes = sample_bytes
+        self._metric_tags = dict(metric_tags or {})
 
     def get_name(self) -> str:
         return "TwinTar"
@@ -191,7 +206,8 @@ class TwinTarDatasource(Datasource):
                 exec_stats=None,
             )
             tasks.append(ReadTask(
-                _bind(shard, item, self._opts, self._block_rows, self._on_error),
+                _bind(shard, item, self._opts, self._block_rows, self._on_error,
+                      self._metric_tags),
                 meta,
                 schema=_schema(shard.keys),
                 per_task_row_limit=per_task_row_limit,
@@ -199,8 +215,9 @@ class TwinTarDatasource(Datasource):
         return tasks
 
 
-def _bind(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int, on_error: str):
+def _bind(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int, on_error: str,
+          metric_tags: Mapping[str, str]):
     def read_fn() -> Iterator[pa.Table]:
-        return read_item(shard, item, opts, block_rows, on_error)
+        return read_item(shard, item, opts, block_rows, on_error, metric_tags)
 
     return read_fn

@@ -26,6 +26,7 @@ import numpy as np
 from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError, IngestError, SkipBudgetExceeded, StateError
+from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.slices import ShardSlice, plan_epoch
 from ray_ingest.plan.state import (
@@ -140,6 +141,7 @@ class StageClock:
     decode: float = 0.0  # decode seconds spent by decode actors (parallel, other processes)
     batches: int = 0
     samples: int = 0
+    bytes_read: int = 0  # member payload bytes the rank's read tasks read (``__bytes__``)
 
     def to_dict(self) -> dict[str, float]:
         return attrs.asdict(self)
@@ -189,6 +191,8 @@ class IngestLoader:
         #: Samples skipped under on_error=skip since this loader was built, by kind of failure.
         self.skips_by_kind: dict[str, int] = {}
         self.shard_bucket = bucket_of_shards(self.catalog, cfg.decode.buckets)
+        #: Ray metrics of this rank (ray_ingest.metrics; a no-op without Ray).
+        self.recorder = LoaderMetrics(topology.rank, topology.slot, self.catalog.fingerprint)
 
     # --- checkpoints ---------------------------------------------------------------------
     @classmethod
@@ -266,7 +270,8 @@ class IngestLoader:
             read_kw["label_selector"] = dict(cfg.decode.label_selector)
             map_kw["label_selector"] = dict(cfg.decode.label_selector)
         source = TwinTarDatasource(self.catalog.shards, items, read_options(cfg),
-                                   block_rows=cfg.loader.block_rows, on_error=cfg.loader.on_error)
+                                   block_rows=cfg.loader.block_rows, on_error=cfg.loader.on_error,
+                                   metric_tags=self.recorder.tags)
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
                                       override_num_blocks=max(1, len(items)), **read_kw)
@@ -311,6 +316,7 @@ class IngestLoader:
                            cfg.loader.block_rows if cfg.data.align == "strict" else None)
         log.info("rank %d slot %d epoch %d: %d read tasks, %d/%d batches done",
                  topo.rank, slot, state.epoch, len(items), done_batches, total_batches)
+        self.recorder.set_epoch(state.epoch)
         skips_epoch = len(state.skips)
         skips_shard: dict[int, int] = {}
         for sid, _, _ in state.skips:
@@ -343,6 +349,7 @@ class IngestLoader:
             self.state = with_progress(self.state, slot, consumed, step, new_skips)
             self.clock.batches += 1
             self.clock.samples += len(batch.keys)
+            self.recorder.on_batch(len(batch.keys))
             return batch
 
         def take(parts: list[dict[str, np.ndarray]], n: int) -> tuple[list, list]:
@@ -365,7 +372,9 @@ class IngestLoader:
             ds = self._pipeline(items)
             it = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
                                       prefetch_batches=cfg.loader.prefetch_batches))
-            self.clock.wait += time.perf_counter() - t0  # building the pipeline blocks the loop too
+            waited = time.perf_counter() - t0
+            self.clock.wait += waited  # building the pipeline blocks the loop too
+            self.recorder.on_wait(waited)
             try:
                 while True:
                     t0 = time.perf_counter()
@@ -376,12 +385,17 @@ class IngestLoader:
                         if cause is None:
                             raise
                         raise cause from None  # one line naming shard, index/key and reason
-                    self.clock.wait += time.perf_counter() - t0
+                    waited = time.perf_counter() - t0
+                    self.clock.wait += waited
+                    self.recorder.on_wait(waited)
                     if block is None:
                         self._keep_data_stats(ds)
                         break
                     if "__actor__" in block and len(block["__actor__"]):
                         self.actors_seen.update(set(block["__actor__"].tolist()))
+                        self.recorder.on_actors(block["__actor__"].tolist())
+                    if "__bytes__" in block:
+                        self.clock.bytes_read += int(block.pop("__bytes__").sum())
                     errors = block["__error__"]
                     bad = np.flatnonzero(errors != "") if len(errors) else np.array([], int)
                     if bad.size:
@@ -390,6 +404,7 @@ class IngestLoader:
                             new_skips.append((sid, idx, str(errors[i])))
                             kind = _skip_kind(str(errors[i]))
                             self.skips_by_kind[kind] = self.skips_by_kind.get(kind, 0) + 1
+                            self.recorder.on_skip(kind)
                             log.warning("rank %d: skip shard %s key %s index %d: %s", topo.rank,
                                         self.catalog.shards[sid].path, block["__key__"][i] or "?",
                                         idx, errors[i])

@@ -83,6 +83,15 @@ def _ledger_attempt(audit_dir: str, rank: int) -> int:
     return int(attempt[0])
 
 
+def _say(line: str) -> None:
+    """One line on the worker's real stdout. Ray Train patches ``print`` to log through the
+    root logger *and*, because Ray replaced ``sys.stdout`` in its workers, to print too: every
+    line came out twice (once on stdout, once on stderr)."""
+    out = sys.__stdout__ or sys.stdout
+    out.write(line + "\n")
+    out.flush()
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray
     import ray.train
@@ -93,6 +102,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from ray_ingest.plan.topology import Topology
     from ray_ingest.stream import IngestLoader
 
+    if config.get("quiet", True):
+        from ray_ingest.quiet import quiet_worker
+
+        quiet_worker()
     cfg = config_from_dict(config["cfg"])
     catalog = ray.get(config["catalog_ref"]) if config.get("catalog_ref") is not None else None
     ctx = ray.train.get_context()
@@ -183,9 +196,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 loader.clock.compute += now - t_step
                 t_step = now
                 wait = loader.clock.wait - wait_log
-                print(format_step_log(global_step, epoch, loss.item(), samples_log / (now - t_log),
-                                      wait / (now - t_log), loader.stage_breakdown(now - t_start)),
-                      flush=True)
+                _say(format_step_log(global_step, epoch, loss.item(), samples_log / (now - t_log),
+                                     wait / (now - t_log), loader.stage_breakdown(now - t_start)))
                 t_log, wait_log, samples_log = now, loader.clock.wait, 0
             last = max_steps is not None and global_step >= max_steps
             if global_step % cfg.train.checkpoint_every == 0 or last:
@@ -212,7 +224,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                "first_loss": losses[0] if losses else None, "actors_seen": len(loader.actors_seen),
                "stages": loader.stage_breakdown(elapsed)}
     if rank == 0:
-        print(f"[train] done: {json.dumps(summary)}", flush=True)
+        _say(f"[train] done: {json.dumps(summary)}")
     report(True, summary)
 
 
@@ -234,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="raise once on the last rank right after step N's checkpoint")
     p.add_argument("--num-cpus", type=int, default=8,
                    help="logical CPUs of the embedded local Ray (ignored when joining a cluster)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's own INFO logs and every line Ray forwards from its processes")
     return p
 
 
@@ -265,17 +279,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_ingest import quiet
     from ray_ingest.catalog import load_catalog
 
+    quiet_kw = {} if args.verbose else {"logging_level": logging.WARNING}
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
-            ray.init()
+            ray.init(**quiet_kw)
         else:
-            ray.init(num_cpus=args.num_cpus, include_dashboard=False,
-                     runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})
+            ray.init(**quiet.embedded_ray_kwargs(
+                args.num_cpus, {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"},
+                quiet=not args.verbose))
+    if not args.verbose:
+        quiet.filter_driver_output()
     try:
         catalog = load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
                                storage_options=cfg.data.storage_options)
@@ -294,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "audit_dir": os.path.abspath(args.audit_dir) if args.audit_dir else None,
         "fail_at_step": args.fail_at_step,
         "fail_marker": fail_marker,
+        "quiet": not args.verbose,
     }
     scaling_kw: dict[str, Any] = {}
     if cfg.train.label_selector:
@@ -308,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             name=cfg.train.name, storage_path=os.path.abspath(cfg.train.storage_path)
             if "://" not in cfg.train.storage_path else cfg.train.storage_path,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2)),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            # Ray Train's own INFO (worker group started, checkpoint reported) only with --verbose
+            logging_config=LoggingConfig(log_level="INFO" if args.verbose else "WARNING")),
     )
     result = trainer.fit()
     if result.error is not None:
