@@ -18,6 +18,8 @@ Where Ray's noise comes from, and what is done about it (the lines are verbatim 
   worker-group and checkpoint reports (``ray.train`` logger, ``RunConfig.logging_config``),
   Ray Data's execution banners (``DataContext.print_on_execution_start``, the ``ray.data``
   console handler; its log file under the session folder keeps everything).
+* ``(gcs_server) gcs_actor_scheduler.cc: Failed to kill actor … Socket closed``: at the end of
+  a run, killing an actor whose process already exited; dropped by an exact-message filter.
 * ``(raylet) Task MapWorker(MapBatches(Decoder)).submit failed … killed by `ray.kill```: Ray Data
   killing the decode pool of an epoch the train loop stopped early (``max_steps``); dropped by
   an exact-message filter.
@@ -41,6 +43,9 @@ NOISE: tuple[re.Pattern[str], ...] = (
                r"constructor arguments in the object store and max_restarts > 0\."),
     re.compile(r"WARNING: \d+ PYTHON worker processes have been started on node: \S+ with "
                r"address: \S+, which is \d+x the maximum expected startup concurrency"),
+    re.compile(r"gcs_actor_scheduler\.cc:\d+: Failed to kill actor [0-9a-f]+, return status: "
+               r"Invalid: KillActor RPC failed for actor [0-9a-f]+: RpcError: RPC error: Socket "
+               r"closed"),
     re.compile(r"Task MapWorker\(MapBatches\(Decoder\)\)\.submit failed\. There are infinite "
                r"retries remaining, so the task will be retried\. Error: The actor is dead "
                r"because it was killed by `ray\.kill`\."),
