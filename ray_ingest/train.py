@@ -70,16 +70,17 @@ def _ledger_append(path: str, record: dict[str, Any]) -> None:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
 
-def _ledger_attempt(audit_dir: str, rank: int) -> int:
+def _ledger_attempt(audit_dir: str, rank: int, device: Any) -> int:
     """This (re)start's attempt number, the same on every rank (see :mod:`ray_ingest.audit`):
-    rank 0 counts the start events in its own ledger and broadcasts the number."""
+    rank 0 counts the start events in its own ledger and broadcasts the number (through the
+    rank's device: NCCL needs it)."""
     import torch.distributed as dist
 
     from ray_ingest.audit import next_attempt
 
     attempt = [next_attempt(os.path.join(audit_dir, "rank_00000.jsonl")) if rank == 0 else -1]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(attempt, src=0)
+        dist.broadcast_object_list(attempt, src=0, device=device)
     return int(attempt[0])
 
 
@@ -140,7 +141,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if audit_dir:
         os.makedirs(audit_dir, exist_ok=True)
         ledger = os.path.join(audit_dir, f"rank_{rank:05d}.jsonl")
-        _ledger_append(ledger, {"event": "start", "attempt": _ledger_attempt(audit_dir, rank),
+        _ledger_append(ledger, {"event": "start", "attempt": _ledger_attempt(audit_dir, rank, device),
                                 "rank": rank, "world": world,
                                 "slot": topo.slot, "resume_step": global_step,
                                 "epoch": loader.state.epoch})
