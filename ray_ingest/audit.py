@@ -8,6 +8,13 @@ the catalog must have been consumed exactly once by exactly one data-parallel sl
 duplicates (``pad``) and recorded skips are reported separately — and ranks of one parallel
 group must have seen identical batches.
 
+Ordering is logical, never by wall clock: every (re)start of the worker group is an *attempt*
+with a number (``attempt`` in the start events: rank 0 counts its own start events and
+broadcasts the number to the group); a record belongs to the attempt of the last start event
+before it in its rank's file. A record of attempt ``a`` at step ``s`` was rolled back when a
+later attempt (``a' > a``) resumed from a step before ``s`` — also on ranks that did not come
+back (a re-run with fewer workers). Clocks of different nodes never have to agree.
+
 No Ray, no torch.
 """
 
@@ -23,6 +30,9 @@ import attrs
 
 from ray_ingest.catalog import Catalog
 from ray_ingest.errors import IngestError
+
+#: ``status`` of an epoch report.
+EXACTLY_ONCE, INCOMPLETE, VIOLATION = "exactly-once", "incomplete", "violation"
 
 
 @attrs.define
@@ -45,6 +55,48 @@ def _lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise IngestError(f"{path}:{n}: malformed ledger line ({exc.msg})") from None
 
 
+def next_attempt(path: str) -> int:
+    """Number of the next attempt: the start events already in ``path`` (rank 0's ledger).
+
+    Rank 0 takes part in every attempt, so its own file counts them all; it computes the
+    number and broadcasts it to the other ranks before any of them writes its start event.
+    """
+    if not os.path.exists(path):
+        return 0
+    return sum(1 for _, rec in _lines(path) if rec.get("event") == "start")
+
+
+def _derive_attempts(starts: dict[int, list[tuple[str, dict[str, Any]]]]) -> dict[int, list[int]]:
+    """Attempt number of every start event, per rank (explicit, or derived for older ledgers).
+
+    Ledgers written before start events carried ``attempt``: rank 0 took part in every attempt,
+    so its start events list them all, in order; rank ``r``'s start events are the ones among
+    them whose world size includes ``r``, matched in order by resume step and world size.
+    """
+    out: dict[int, list[int]] = {}
+    explicit = all("attempt" in rec for recs in starts.values() for _, rec in recs)
+    if explicit:
+        return {r: [int(rec["attempt"]) for _, rec in recs] for r, recs in starts.items()}
+    ref = [rec for _, rec in starts.get(0, [])]
+    for rank, recs in starts.items():
+        mine: list[int] = []
+        i = 0
+        for where, rec in recs:
+            key = (int(rec["resume_step"]), int(rec.get("world", 1)))
+            while i < len(ref) and not (int(ref[i].get("world", 1)) > rank and
+                                        (int(ref[i]["resume_step"]), int(ref[i].get("world", 1))) == key):
+                i += 1
+            if i == len(ref):
+                raise IngestError(
+                    f"{where}: start event (resume_step {key[0]}, world {key[1]}) has no "
+                    f"matching start event in rank 0's ledger; cannot order the attempts "
+                    f"(ledgers written with 'attempt' in start events do not need rank 0's)")
+            mine.append(i)
+            i += 1
+        out[rank] = mine
+    return out
+
+
 def read_ledgers(folder: str) -> dict[int, RankLedger]:
     """Per-rank ledgers with rolled-back batches removed."""
     if not os.path.isdir(folder):
@@ -52,47 +104,52 @@ def read_ledgers(folder: str) -> dict[int, RankLedger]:
     files = sorted(f for f in os.listdir(folder) if f.startswith("rank_") and f.endswith(".jsonl"))
     if not files:
         raise IngestError(f"{folder}: no rank_*.jsonl ledger files")
-    out: dict[int, RankLedger] = {}
-    starts: list[tuple[float, int]] = []  # (time, resume step) of every (re)start, any rank
-    end_times: dict[tuple[int, int], float] = {}  # (rank, epoch) -> time of its epoch_end
+    # Per rank, in file order: start events, and records tagged with the index of the start
+    # event before them (-1: none). A rank's file is appended by one process at a time.
+    records: dict[int, list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+    starts: dict[int, list[tuple[str, dict[str, Any]]]] = defaultdict(list)
     for name in files:
         path = os.path.join(folder, name)
-        ledger: RankLedger | None = None
+        rank: int | None = None
         for n, rec in _lines(path):
-            rank = int(rec.get("rank", -1))
-            if ledger is None:
-                ledger = out.setdefault(rank, RankLedger(rank))
+            if rank is None:
+                rank = int(rec.get("rank", -1))
             if rec.get("event") == "start":
-                resume = int(rec["resume_step"])
-                ledger.restarts += 1
-                ledger.batches = [b for b in ledger.batches if b["step"] <= resume]
-                ledger.epoch_ends = {e: s for e, s in ledger.epoch_ends.items() if s <= resume}
-                if "t" in rec:
-                    starts.append((float(rec["t"]), resume))
-            elif rec.get("event") == "epoch_end":
-                ledger.epoch_ends[int(rec["epoch"])] = int(rec["step"])
-                if "t" in rec:
-                    end_times[(ledger.rank, int(rec["epoch"]))] = float(rec["t"])
-            elif "keys" in rec:
-                ledger.batches.append(rec)
+                starts[rank].append((f"{path}:{n}", rec))
+            elif rec.get("event") == "epoch_end" or "keys" in rec:
+                records[rank].append((len(starts[rank]) - 1, rec))
             else:
                 raise IngestError(f"{path}:{n}: unknown ledger record")
+    attempts = _derive_attempts(starts)
+    # every (attempt, resume step) of the whole job, whichever rank logged it
+    resumes = {(a, int(rec["resume_step"]))
+               for r, recs in starts.items() for a, (_, rec) in zip(attempts[r], recs, strict=True)}
 
-    # A restart rolls back every rank, also ranks that did not come back (a re-run with fewer
-    # workers), whose files hold no later start: drop what was logged before a (re)start that
-    # resumed from an earlier step. Uses the records' "t" stamps (older ledgers lack them).
-    def rolled_back(t: float | None, step: int) -> bool:
-        return t is not None and any(ts > t and resume < step for ts, resume in starts)
+    def rolled_back(attempt: int, step: int) -> bool:
+        return any(a > attempt and resume < step for a, resume in resumes)
 
-    for lg in out.values():
-        lg.batches = [b for b in lg.batches if not rolled_back(b.get("t"), b["step"])]
-        lg.epoch_ends = {e: s for e, s in lg.epoch_ends.items()
-                         if not rolled_back(end_times.get((lg.rank, e)), s)}
+    out: dict[int, RankLedger] = {}
+    for rank in sorted(set(records) | set(starts)):
+        lg = out[rank] = RankLedger(rank, restarts=len(starts[rank]))
+        for i, rec in records[rank]:
+            attempt = attempts[rank][i] if i >= 0 else -1
+            step = int(rec["step"])
+            if rolled_back(attempt, step):
+                continue
+            if rec.get("event") == "epoch_end":
+                lg.epoch_ends[int(rec["epoch"])] = step
+            else:
+                lg.batches.append(rec)
     return out
 
 
 def audit(ledgers: dict[int, RankLedger], catalog: Catalog) -> list[dict[str, Any]]:
-    """One report per epoch: expected, seen, duplicated, missing, padded, skipped, verdict."""
+    """One report per epoch: expected, seen, duplicated, missing, padded, skipped, verdict.
+
+    ``status`` is ``exactly-once``, ``incomplete`` (the epoch has not ended, e.g. cut by
+    ``train.max_steps``: nothing was consumed twice so far, the rest is simply not read yet;
+    ``exactly_once`` is then None) or ``violation`` (``exactly_once`` False).
+    """
     counts = catalog.counts
     expected = sum(counts)
     epochs = sorted({b["epoch"] for lg in ledgers.values() for b in lg.batches}
@@ -145,8 +202,14 @@ def audit(ledgers: dict[int, RankLedger], catalog: Catalog) -> list[dict[str, An
             "missing_examples": [
                 {"shard": catalog.shards[s].path, "index": i} for s, i in missing_list[:5]],
         }
-        report["exactly_once"] = (duplicated == 0 and not missing_list and unknown == 0
-                                  and group_mismatches == 0)
+        # Duplicates, unknown samples and diverging group ranks are violations even in an
+        # epoch that has not ended; missing samples only once it has (max_steps cuts epochs).
+        if duplicated or unknown or group_mismatches or (complete and missing_list):
+            status = VIOLATION
+        else:
+            status = EXACTLY_ONCE if complete else INCOMPLETE
+        report["status"] = status
+        report["exactly_once"] = None if status == INCOMPLETE else status == EXACTLY_ONCE
         reports.append(report)
     return reports
 
@@ -161,3 +224,19 @@ def keys_at(ledgers: dict[int, RankLedger], rank: int, step: int) -> dict[str, A
             return {"rank": rank, "step": step, "epoch": b["epoch"], "slot": b["slot"],
                     "keys": b["keys"], "pads": b["pads"]}
     raise IngestError(f"rank {rank}: no batch at step {step}")
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """One human line per epoch report (``ray-ingest demo``); the CLI prints the JSON."""
+    r = report
+    counts = (f"{r['distinct']}/{r['expected']} samples, {r['padded']} padded, "
+              f"{r['skipped']} skipped")
+    if r["status"] == EXACTLY_ONCE:
+        return f"epoch {r['epoch']}: exactly-once ({counts})"
+    if r["status"] == INCOMPLETE:
+        return (f"epoch {r['epoch']}: incomplete, not a violation: the run stopped inside it "
+                f"(train.max_steps); {counts} so far, none twice")
+    kinds = ("duplicated", "missing", "unknown", "group_mismatches")
+    problems = [f"{r[k]} {k.replace('_', ' ')}" for k in kinds
+                if r[k] and (k != "missing" or r["complete"])]
+    return f"epoch {r['epoch']}: VIOLATION: {', '.join(problems)} ({counts})"

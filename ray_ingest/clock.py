@@ -20,6 +20,7 @@ class StageClock:
     decode: float = 0.0  # decode seconds spent by decode actors (parallel, other processes)
     batches: int = 0
     samples: int = 0
+    bytes_read: int = 0  # member payload bytes this rank's read tasks read (``__bytes__``)
 
     def to_dict(self) -> dict[str, float]:
         return attrs.asdict(self)

@@ -27,6 +27,8 @@ BUCKET = "__bucket__"
 ERROR = "__error__"
 #: Seconds the read task spent per sample (read + align), for the stage breakdown.
 T_READ = "__t_read__"
+#: Payload bytes the read task read for the sample (all modalities): per-rank bytes read.
+BYTES = "__bytes__"
 #: Seconds the decode actor spent per sample.
 T_DECODE = "__t_decode__"
 #: Id of the decode actor that produced the row (observed pool size).
@@ -35,7 +37,7 @@ ACTOR = "__actor__"
 #: Provenance carried unchanged from the read stage through decode to the batcher.
 PROVENANCE = (KEY, SHARD, INDEX, SID, SEQ, EPOCH, PAD, BUCKET)
 #: Bookkeeping dropped before a batch is assembled.
-BOOKKEEPING = (ERROR, T_READ, T_DECODE, ACTOR)
+BOOKKEEPING = (ERROR, T_READ, BYTES, T_DECODE, ACTOR)
 
 
 def ext_column(modality: str) -> str:

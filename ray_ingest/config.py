@@ -20,7 +20,7 @@ from ray_ingest.catalog import ROOT_MODES, warn_renamed
 from ray_ingest.errors import ConfigError
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.settings import PlanSettings
-from ray_ingest.twin import ALIGN_MODES
+from ray_ingest.twin import ALIGN_MODES, DEFAULT_WINDOW
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,10 @@ class DataConfig:
     align: str = attrs.field(default="strict", validator=_one_of(ALIGN_MODES))
     #: Parquet key list for align=index.
     index_path: str | None = None
+    #: merge/index alignment: members a secondary modality may read ahead (and hold in memory)
+    #: looking for a key; a key not found within them is an error, or a recorded skip under
+    #: loader.on_error=skip. Tars with the sharder's key index need no read-ahead for absent keys.
+    max_read_ahead: int = attrs.field(default=DEFAULT_WINDOW, validator=_at_least(1))
     #: fsspec storage options for remote paths (e.g. token, project).
     storage_options: dict[str, Any] = attrs.field(factory=dict)
 
@@ -130,7 +134,8 @@ class DecodeConfig:
     crop: str = attrs.field(default="center", validator=_one_of(CROP_MODES))
     #: Allow pickle-like members (.pkl, .pickle, .pt, .pth): they execute code when loaded.
     allow_pickle: bool = False
-    #: Largest member accepted, in bytes (bigger ones are bad input).
+    #: Largest member accepted, in bytes: checked from the tar header before the payload is
+    #: read (a bigger member is an error, or a recorded skip under loader.on_error=skip).
     max_member_bytes: int = attrs.field(default=512 * 1024**2, validator=_at_least(1))
     #: Pillow's decompression-bomb limit in pixels.
     max_image_pixels: int = attrs.field(default=178_956_970, validator=_at_least(1))

@@ -33,6 +33,7 @@ from ray_ingest.augment import (
 from ray_ingest.columns import (
     ACTOR,
     BUCKET,
+    BYTES,
     EPOCH,
     ERROR,
     INDEX,
@@ -53,7 +54,7 @@ IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp"
 UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
 CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
 #: Columns carried through decode unchanged.
-PASSTHROUGH = (*PROVENANCE, T_READ)
+PASSTHROUGH = (*PROVENANCE, T_READ, BYTES)
 DECODE_TIME = T_DECODE
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 

@@ -33,3 +33,7 @@ class UnsafeFormatError(IngestError):
 
 class SkipBudgetExceeded(IngestError):
     """on_error=skip ran past its per-shard or per-epoch budget."""
+
+
+class OversizedMemberError(IngestError):
+    """A tar member's header declares more bytes than the size limit; its payload was not read."""

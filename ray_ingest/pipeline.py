@@ -122,7 +122,8 @@ def _current(ctx: DataContext) -> Iterator[None]:
 
 
 def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
-                  world_size: int = 1) -> ray.data.Dataset:
+                  world_size: int = 1,
+                  metric_tags: dict[str, str] | None = None) -> ray.data.Dataset:
     """Read ``items`` in order (``TwinTarDatasource``), decode on the elastic actor pool."""
     read_kw: dict[str, Any] = {}
     map_kw: dict[str, Any] = {}
@@ -130,9 +131,9 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
         read_kw["label_selector"] = dict(cfg.decode.label_selector)
         map_kw["label_selector"] = dict(cfg.decode.label_selector)
     with _current(execution_context(cfg, world_size)):
-        source = TwinTarDatasource(catalog.shards, items, read_options(cfg.data),
+        source = TwinTarDatasource(catalog.shards, items, read_options(cfg),
                                    block_rows=cfg.loader.block_rows,
-                                   on_error=cfg.loader.on_error)
+                                   on_error=cfg.loader.on_error, metric_tags=metric_tags)
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
                                       override_num_blocks=max(1, len(items)), **read_kw)
@@ -155,8 +156,8 @@ class Execution:
     """One running execution: iterate :meth:`blocks`, then :meth:`close` (also when abandoned)."""
 
     def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
-                 world_size: int = 1):
-        self._ds = build_dataset(cfg, catalog, items, world_size)
+                 world_size: int = 1, metric_tags: dict[str, str] | None = None):
+        self._ds = build_dataset(cfg, catalog, items, world_size, metric_tags)
         self._it = iter(self._ds.iter_batches(batch_size=None, batch_format="numpy",
                                               prefetch_batches=cfg.loader.prefetch_batches))
         self.finished = False

@@ -40,8 +40,12 @@ class ReadOptions:
     #: Parquet key list for ``align="index"`` (applies to shards via its ``shard`` column,
     #: or to every shard when it has none).
     index_path: str | None = None
-    #: Look-ahead members per secondary modality in merge/index mode.
+    #: Look-ahead members per secondary modality in merge/index mode (``data.max_read_ahead``):
+    #: a key not found within it is an error, or a recorded skip under ``on_error="skip"``.
     window: int = DEFAULT_WINDOW
+    #: Members whose tar header declares more bytes are never read (``decode.max_member_bytes``):
+    #: an error, or a recorded skip under ``on_error="skip"``. None: no limit.
+    max_member_bytes: int | None = None
     #: fsspec storage options (``token``, ``project``, …).
     storage_options: dict[str, Any] = attrs.field(factory=dict)
     #: Retry policy for remote reads (None: remote's default).
@@ -52,10 +56,12 @@ class ReadOptions:
         check_align(value)
 
 
-def read_options(data: Any) -> ReadOptions:
-    """The read options a ``data`` config section (:class:`ray_ingest.config.DataConfig`) asks for."""
-    return ReadOptions(align=data.align, optional=data.optional_modalities, index_path=data.index_path,
-                       storage_options=dict(data.storage_options))
+def read_options(cfg: Any) -> ReadOptions:
+    """The read options a run configuration (:class:`ray_ingest.config.Config`) asks for."""
+    dc = cfg.data
+    return ReadOptions(align=dc.align, optional=dc.optional_modalities, index_path=dc.index_path,
+                       storage_options=dict(dc.storage_options), window=dc.max_read_ahead,
+                       max_member_bytes=cfg.decode.max_member_bytes)
 
 
 def load_index_keys(path: str, shard: str | None = None,
@@ -161,6 +167,14 @@ def _position(f: BinaryIO, url: str, start: int, opts: ReadOptions) -> tuple[int
     return pos, passed
 
 
+def _known_keys(f: BinaryIO, url: str, opts: ReadOptions) -> frozenset[str] | None:
+    """Every key of the tar at ``url`` from its key index (None without a fresh index)."""
+    entry = _read_index(url, opts.storage_options, opts.retry) if opts.use_index else None
+    if entry is None or (entry[0].tar_size >= 0 and entry[0].tar_size != _size(f)):
+        return None
+    return frozenset(k for k in entry[1] if k is not None)
+
+
 def read_shard(
     shard: TarSample,
     start: int = 0,
@@ -168,16 +182,21 @@ def read_shard(
     opts: ReadOptions = ReadOptions(),
     stats: AlignStats | None = None,
     index_keys: Sequence[str] | None = None,
+    on_error: str = "raise",
 ) -> Iterator[dict[str, Any]]:
     """Yield the aligned rows of ``shard`` from sample ``start`` (at most ``count`` of them).
 
     Rows hold ``__key__``, ``__shard__``, ``__index__`` and, per modality, its bytes and its
-    extension (``<modality>__ext``).
+    extension (``<modality>__ext``). ``on_error="skip"``: a sample that cannot be read (a
+    member over ``opts.max_member_bytes``, a key beyond the merge look-ahead) comes as a row
+    whose :data:`~ray_ingest.twin.ERROR` holds the error, instead of raising.
     """
     stack = contextlib.ExitStack()
     with stack:
         streams: dict[str, Iterator[Member]] = {}
         skip_keys: list[str] = []
+        known: dict[str, frozenset[str]] = {}
+        limit = opts.max_member_bytes
         driver = shard.keys[0]
         for m in shard.keys:
             url = shard.url(m)
@@ -193,13 +212,18 @@ def read_shard(
                 # An optional modality may lack samples, so member ``start`` is not sample
                 # ``start``: read from the top and drop the members of samples passed over.
                 passed_set = frozenset(skip_keys)
-                streams[m] = (x for x in iter_members(f, url) if x.key not in passed_set)
+                streams[m] = (x for x in iter_members(f, url, max_member_bytes=limit)
+                              if x.key not in passed_set)
                 continue
             if opts.align == "strict" or (opts.align == "merge" and m == driver):
                 offset, passed = _position(f, url, start, opts)
                 if m == driver:
                     skip_keys = passed
-            streams[m] = iter_members(f, url, start_offset=offset)
+            elif opts.align in ("merge", "index"):
+                tar_keys = _known_keys(f, url, opts)
+                if tar_keys is not None:
+                    known[m] = tar_keys
+            streams[m] = iter_members(f, url, start_offset=offset, max_member_bytes=limit)
         if opts.align == "index":
             keys = index_keys
             if keys is None:
@@ -209,9 +233,9 @@ def read_shard(
                                        opts.storage_options)
             gen = expand(shard.path, streams, align="index", optional=opts.optional,
                          index_keys=keys, first_index=start, limit=count, stats=stats,
-                         window=opts.window)
+                         window=opts.window, on_error=on_error, known_keys=known)
         else:
             gen = expand(shard.path, streams, align=opts.align, optional=opts.optional,
                          first_index=start, limit=count, skip_keys=skip_keys, stats=stats,
-                         window=opts.window)
+                         window=opts.window, on_error=on_error, known_keys=known)
         yield from gen

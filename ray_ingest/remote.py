@@ -21,7 +21,8 @@ Replaces PiD's ``RetryingStream`` (reference/pid_semantics.md §2) for every fss
    raises instead of splicing two versions.
 
 Retries, reopens and bytes read are counted per reader (:attr:`RetryingReader.stats`) and
-for the whole process (:func:`remote_stats`), for tests and metrics.
+for the whole process (:func:`remote_stats`), for tests; retries also go to the Ray metric
+``ingest_remote_retries`` (:mod:`ray_ingest.metrics`, a no-op without Ray).
 
 No Ray, no torch; gcsfs and aiohttp are only looked at when already imported.
 """
@@ -41,6 +42,7 @@ from typing import Any
 import attrs
 import fsspec
 
+from ray_ingest import metrics
 from ray_ingest.errors import ConfigError, IngestError
 
 log = logging.getLogger(__name__)
@@ -399,6 +401,7 @@ class _RetryingRaw(io.RawIOBase):
             raise RemoteReadError(self._url, self._pos, attempt, exc) from exc
         fault = "premature_end" if isinstance(exc, _PrematureEnd) else type(exc).__name__
         _count(self.stats, "retries", fault=fault)
+        metrics.on_remote_retry()
         delay = self._policy.backoff_s(self._url, attempt - 1)
         log.warning(
             "%s: retry %d/%d at byte %d in %.2fs after %s",

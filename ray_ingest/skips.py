@@ -44,6 +44,8 @@ class SkipFilter:
     max_per_epoch: int | None
     shard_name: Callable[[int], str]
     rank: int = 0
+    #: Called with the failure kind of every skip (metrics).
+    on_skip: Callable[[str], Any] | None = None
     epoch: int = 0
     #: Skips of the epoch already accounted in the read state.
     accounted: tuple[Skip, ...] = ()
@@ -84,6 +86,8 @@ class SkipFilter:
             sid, idx, reason = int(block[SID][i]), int(block[INDEX][i]), str(errors[i])
             kind = skip_kind(reason)
             self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+            if self.on_skip is not None:
+                self.on_skip(kind)
             log.warning("rank %d: skip shard %s key %s index %d: %s", self.rank,
                         self.shard_name(sid), block[KEY][i] or "?", idx, reason)
             self.pending.append((int(block[SEQ][i]), (sid, idx, reason)))

@@ -8,24 +8,29 @@ in lockstep and yields Arrow blocks of raw bytes plus provenance:
 ``__key__`` ``__shard__`` ``__index__`` (position in the shard), ``__sid__`` (shard number in
 the catalog), ``__seq__`` (position in the rank's stream of its epoch, what the read state
 records), ``__epoch__``, ``__pad__`` (planned duplicate), ``__bucket__`` (aspect bucket of the
-shard), ``__error__`` (non-empty for a sample skipped under ``on_error=skip``), then one binary
-column and one extension column per modality (:mod:`ray_ingest.columns`).
+shard), ``__error__`` (non-empty for a sample skipped under ``on_error=skip``), ``__bytes__``
+(member payload bytes read for the sample, summed per rank by the loader), then one binary
+column and one extension column per modality (:mod:`ray_ingest.columns`). Bytes read and remote
+retries are also recorded as Ray metrics (:mod:`ray_ingest.metrics`) under the tags of the
+loader that planned the read.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from ray_ingest import metrics
 from ray_ingest.catalog import TarSample
 from ray_ingest.columns import (
     BUCKET,
+    BYTES,
     EPOCH,
     ERROR,
     INDEX,
@@ -61,6 +66,7 @@ def _schema(modalities: Sequence[str]) -> pa.Schema:
         pa.field(BUCKET, pa.string()),
         pa.field(ERROR, pa.string()),
         pa.field(T_READ, pa.float64()),
+        pa.field(BYTES, pa.int64()),
     ]
     for m in modalities:
         fields.append(pa.field(m, pa.binary()))
@@ -74,8 +80,15 @@ def read_item(
     opts: ReadOptions,
     block_rows: int,
     on_error: str = "raise",
+    metric_tags: Mapping[str, str] | None = None,
 ) -> Iterator[pa.Table]:
     """Generator behind one ReadTask: Arrow blocks of at most ``block_rows`` rows."""
+    with metrics.read_scope(metric_tags):
+        yield from _read_item(shard, item, opts, block_rows, on_error)
+
+
+def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int,
+               on_error: str) -> Iterator[pa.Table]:
     schema = _schema(shard.keys)
     names = schema.names
     cols: dict[str, list[Any]] = {n: [] for n in names}
@@ -86,6 +99,7 @@ def read_item(
     def flush() -> pa.Table:
         n = len(cols[KEY])
         cols[T_READ].extend([(time.perf_counter() - clock[0]) / max(n, 1)] * n)
+        metrics.on_bytes_read(sum(cols[BYTES]))
         table = pa.table({n: pa.array(cols[n], type=schema.field(n).type) for n in names},
                          schema=schema)
         for n in names:
@@ -103,6 +117,7 @@ def read_item(
         cols[PAD].append(item.pad)
         cols[BUCKET].append(bucket)
         cols[ERROR].append(error)
+        cols[BYTES].append(sum(len(row[m]) for m in shard.keys if row.get(m) is not None))
         for m in shard.keys:
             cols[m].append(row.get(m))
             cols[ext_column(m)].append(row.get(ext_column(m)))
@@ -110,8 +125,14 @@ def read_item(
     next_index = item.start
     last_key = None
     try:
-        for row in read_shard(shard, item.start, item.count, opts):
-            add(row)
+        for row in read_shard(shard, item.start, item.count, opts, on_error=on_error):
+            if row.get(ERROR) is not None:  # one unreadable sample (on_error=skip)
+                reason = _reason(row[ERROR])
+                log.warning("skip shard %s key %s index %d: %s", shard.path, row[KEY],
+                            row[INDEX], reason)
+                add(row, error=reason)
+            else:
+                add(row)
             next_index = row[INDEX] + 1
             last_key = row[KEY]
             if len(cols[KEY]) >= block_rows:
@@ -120,7 +141,7 @@ def read_item(
     except (IngestError, OSError) as exc:
         if on_error != "skip":
             raise _located(exc, shard.path, next_index, last_key) from None
-        reason = f"read: {type(exc).__name__}: {exc}".replace("\n", " ")
+        reason = _reason(exc)
         log.warning("skip shard %s samples %d..%d: %s", shard.path, next_index,
                     item.start + item.count - 1, reason)
         for index in range(next_index, item.start + item.count):
@@ -129,6 +150,11 @@ def read_item(
                 yield flush()
     if cols[KEY]:
         yield flush()
+
+
+def _reason(exc: BaseException) -> str:
+    """Skip reason of a read failure, as the read state records it."""
+    return f"read: {type(exc).__name__}: {exc}".replace("\n", " ")
 
 
 def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -> IngestError:
@@ -155,6 +181,7 @@ class TwinTarDatasource(Datasource):
         block_rows: int = 64,
         on_error: str = "raise",
         sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+        metric_tags: Mapping[str, str] | None = None,
     ):
         super().__init__()
         self._shards = {it.sid: shards[it.sid] for it in items}
@@ -163,6 +190,7 @@ class TwinTarDatasource(Datasource):
         self._block_rows = block_rows
         self._on_error = on_error
         self._sample_bytes = sample_bytes
+        self._metric_tags = dict(metric_tags or {})
 
     def get_name(self) -> str:
         return "TwinTar"
@@ -185,7 +213,8 @@ class TwinTarDatasource(Datasource):
                 exec_stats=None,
             )
             tasks.append(ReadTask(
-                _bind(shard, item, self._opts, self._block_rows, self._on_error),
+                _bind(shard, item, self._opts, self._block_rows, self._on_error,
+                      self._metric_tags),
                 meta,
                 schema=_schema(shard.keys),
                 per_task_row_limit=per_task_row_limit,
@@ -193,8 +222,9 @@ class TwinTarDatasource(Datasource):
         return tasks
 
 
-def _bind(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int, on_error: str):
+def _bind(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int, on_error: str,
+          metric_tags: Mapping[str, str]):
     def read_fn() -> Iterator[pa.Table]:
-        return read_item(shard, item, opts, block_rows, on_error)
+        return read_item(shard, item, opts, block_rows, on_error, metric_tags)
 
     return read_fn

@@ -28,9 +28,10 @@ from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.checkpoint import STATE_DIR, state_file
 from ray_ingest.clock import StageClock
 from ray_ingest.collate import Batch, to_batch
-from ray_ingest.columns import ACTOR, ERROR, SEQ, T_DECODE, T_READ
+from ray_ingest.columns import ACTOR, BYTES, ERROR, SEQ, T_DECODE, T_READ
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
+from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window
 from ray_ingest.plan.state import ReadState, initial_state, with_topology
@@ -92,8 +93,11 @@ class IngestLoader:
             state.check_compatible(self.catalog.fingerprint, params, self.catalog.describe_change)
             state = with_topology(state, topology, bsz)
         self.progress = Progress(state, topology, bsz)
+        #: Ray metrics of this rank (ray_ingest.metrics; a no-op without Ray).
+        self.recorder = LoaderMetrics(topology.rank, topology.slot, self.catalog.fingerprint)
         self.skips = SkipFilter(cfg.loader.max_skips_per_shard, cfg.loader.max_skips_per_epoch,
-                                lambda sid: self.catalog.shards[sid].path, topology.rank)
+                                lambda sid: self.catalog.path(sid), topology.rank,
+                                on_skip=self.recorder.on_skip)
         self.batcher = BucketBatcher(bsz, bucketing=bool(cfg.decode.buckets))
         self.shard_bucket = self.catalog.buckets if cfg.decode.buckets else None
         self._open_execution = open_execution or self._ray_execution
@@ -142,7 +146,8 @@ class IngestLoader:
                                 max_items=lc.max_planned_items)
             # The window lives while this generator or an epoch's batches refer to it.
             window = EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
-                                 clock=self.clock, on_stats=self._keep_stats)
+                                 clock=self.clock, on_stats=self._keep_stats,
+                                 on_wait=self.recorder.on_wait)
             for plan in plans:
                 yield plan.epoch, self._epoch(plan, window)
                 if self.state.epoch == plan.epoch:  # stopped early (max_steps): keep position
@@ -154,6 +159,7 @@ class IngestLoader:
         log.info("rank %d slot %d epoch %d: %d read items, %d/%d batches done", self.topology.rank,
                  plan.slot, plan.epoch, len(plan.items), plan.done_batches, plan.total_batches)
         self.skips.load_state({"epoch": plan.epoch, "skips": list(self.state.skips)})
+        self.recorder.set_epoch(plan.epoch)
         self.batcher.start_epoch(plan.done_batches, plan.total_batches)
         complete = False
         try:
@@ -180,7 +186,12 @@ class IngestLoader:
         """Move a block's instrumentation columns into the clock and the observed actors."""
         actors = block.pop(ACTOR, None)
         if actors is not None and len(actors):
-            self.actors_seen.update(actors.tolist())
+            ids = actors.tolist()
+            self.actors_seen.update(ids)
+            self.recorder.on_actors(ids)
+        sizes = block.pop(BYTES, None)
+        if sizes is not None:
+            self.clock.bytes_read += int(sizes.sum())
         self.clock.read += float(block.pop(T_READ).sum())
         self.clock.decode += float(block.pop(T_DECODE).sum())
         return block
@@ -195,6 +206,7 @@ class IngestLoader:
         self.clock.transfer += time.perf_counter() - t0
         self.clock.batches += 1
         self.clock.samples += len(batch.keys)
+        self.recorder.on_batch(len(batch.keys))
         return batch
 
     def _count(self, items: list[ReadItem]) -> Execution:
@@ -204,7 +216,8 @@ class IngestLoader:
     def _ray_execution(self, items: list[ReadItem]) -> Execution:
         from ray_ingest.pipeline import Execution
 
-        return Execution(self.cfg, self.catalog, items, self.topology.world_size)
+        return Execution(self.cfg, self.catalog, items, self.topology.world_size,
+                         self.recorder.tags)
 
     def _keep_stats(self, stats: str) -> None:
         self.data_stats.append(stats)

@@ -35,6 +35,7 @@ INDEX_SUFFIX = ".idx.json"
 INDEX_VERSION = 1
 _REGULAR = (b"0", b"\0", b"7")
 _SKIP_SEEK_MIN = 64 * 1024  # below this, reading is cheaper than a seek on buffered streams
+_DISCARD_CHUNK = 1024 * 1024  # read-and-discard (unseekable streams) in chunks of this size
 
 
 @attrs.frozen(slots=True)
@@ -51,8 +52,11 @@ class Member:
     offset: int
     #: Payload size in bytes.
     size: int
-    #: Payload, or None when the caller asked for headers only.
+    #: Payload, or None when the caller asked for headers only or the member is over the limit.
     data: bytes | None
+    #: The size limit (``max_member_bytes``) this member's header exceeded; its payload was
+    #: skipped, never read. None when within the limit (or no limit was given).
+    over_limit: int | None = None
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -134,7 +138,11 @@ def _skip(f: BinaryIO, n: int, seekable: bool, source: str, what: str, offset: i
     if seekable and n >= _SKIP_SEEK_MIN:
         f.seek(n, io.SEEK_CUR)
         return
-    _read_exact(f, n, source, what, offset)
+    while n > 0:  # never hold more than one chunk of a skipped payload in memory
+        step = min(n, _DISCARD_CHUNK)
+        _read_exact(f, step, source, what, offset)
+        n -= step
+        offset += step
 
 
 def iter_members(
@@ -143,6 +151,7 @@ def iter_members(
     *,
     read_data: bool = True,
     start_offset: int = 0,
+    max_member_bytes: int | None = None,
 ) -> Iterator[Member]:
     """Yield the regular-file members of a tar stream, in order.
 
@@ -151,6 +160,9 @@ def iter_members(
         source: name used in error messages (the tar's URL).
         read_data: when False, payloads are skipped (seek if possible) and ``data`` is None.
         start_offset: byte offset ``f`` is positioned at, so offsets stay absolute.
+        max_member_bytes: a member whose header declares more bytes is yielded with
+            ``data=None`` and ``over_limit`` set; its payload is skipped, never read, so one
+            huge member cannot exhaust memory. The caller decides whether that is an error.
 
     Raises:
         TarFormatError: truncated stream, bad checksum or malformed header, naming ``source``.
@@ -208,14 +220,25 @@ def iter_members(
             continue
         parsed = split_name(name)
         key, ext = parsed if parsed else (None, "")
-        if read_data:
+        over = max_member_bytes if max_member_bytes is not None and size > max_member_bytes else None
+        if read_data and over is None:
             data = _read_exact(f, size, source, f"member {name!r}", pos)
             _skip(f, padded - size, False, source, f"member {name!r} padding", pos + size)
+        elif over is not None and seekable and padded >= _SKIP_SEEK_MIN:
+            # seek to the payload's last byte and read it: a truncated tar fails here, as it
+            # would have when reading the payload, instead of looking like a clean end
+            data = None
+            f.seek(padded - 1, io.SEEK_CUR)
+            if not f.read(1):
+                raise TarFormatError(
+                    f"{source}: truncated tar: member {name!r} at byte {pos} needs {size} "
+                    f"bytes, the file ends before")
         else:
             data = None
             _skip(f, padded, seekable, source, f"member {name!r}", pos)
         pos += padded
-        yield Member(name=name, key=key, ext=ext, offset=member_offset, size=size, data=data)
+        yield Member(name=name, key=key, ext=ext, offset=member_offset, size=size, data=data,
+                     over_limit=over if read_data else None)
 
 
 def index_url(tar_url: str) -> str:

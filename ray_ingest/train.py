@@ -66,10 +66,31 @@ def parse_step_log(line: str) -> dict[str, Any] | None:
 
 
 def _ledger_append(path: str, record: dict[str, Any]) -> None:
-    # "t" (wall clock) lets the audit roll back ranks that a re-run with fewer workers lacks
-    record = {**record, "t": round(time.time(), 3)}
     with open(path, "a") as f:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def _ledger_attempt(audit_dir: str, rank: int, device: Any) -> int:
+    """This (re)start's attempt number, the same on every rank (see :mod:`ray_ingest.audit`):
+    rank 0 counts the start events in its own ledger and broadcasts the number (through the
+    rank's device: NCCL needs it)."""
+    import torch.distributed as dist
+
+    from ray_ingest.audit import next_attempt
+
+    attempt = [next_attempt(os.path.join(audit_dir, "rank_00000.jsonl")) if rank == 0 else -1]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(attempt, src=0, device=device)
+    return int(attempt[0])
+
+
+def _say(line: str) -> None:
+    """One line on the worker's real stdout. Ray Train patches ``print`` to log through the
+    root logger *and*, because Ray replaced ``sys.stdout`` in its workers, to print too: every
+    line came out twice (once on stdout, once on stderr)."""
+    out = sys.__stdout__ or sys.stdout
+    out.write(line + "\n")
+    out.flush()
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -82,6 +103,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     from ray_ingest.plan.topology import Topology
     from ray_ingest.stream import IngestLoader
 
+    if config.get("quiet", True):
+        from ray_ingest.quiet import quiet_worker
+
+        quiet_worker()
     cfg = config_from_dict(config["cfg"])
     catalog = ray.get(config["catalog_ref"]) if config.get("catalog_ref") is not None else None
     ctx = ray.train.get_context()
@@ -116,7 +141,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if audit_dir:
         os.makedirs(audit_dir, exist_ok=True)
         ledger = os.path.join(audit_dir, f"rank_{rank:05d}.jsonl")
-        _ledger_append(ledger, {"event": "start", "rank": rank, "world": world,
+        _ledger_append(ledger, {"event": "start", "attempt": _ledger_attempt(audit_dir, rank, device),
+                                "rank": rank, "world": world,
                                 "slot": topo.slot, "resume_step": global_step,
                                 "epoch": loader.state.epoch})
     fail_at = config.get("fail_at_step")
@@ -171,9 +197,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 loader.clock.compute += now - t_step
                 t_step = now
                 wait = loader.clock.wait - wait_log
-                print(format_step_log(global_step, epoch, loss.item(), samples_log / (now - t_log),
-                                      wait / (now - t_log), loader.stage_breakdown(now - t_start)),
-                      flush=True)
+                _say(format_step_log(global_step, epoch, loss.item(), samples_log / (now - t_log),
+                                     wait / (now - t_log), loader.stage_breakdown(now - t_start)))
                 t_log, wait_log, samples_log = now, loader.clock.wait, 0
             last = max_steps is not None and global_step >= max_steps
             if global_step % cfg.train.checkpoint_every == 0 or last:
@@ -200,7 +225,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                "first_loss": losses[0] if losses else None, "actors_seen": len(loader.actors_seen),
                "stages": loader.stage_breakdown(elapsed)}
     if rank == 0:
-        print(f"[train] done: {json.dumps(summary)}", flush=True)
+        _say(f"[train] done: {json.dumps(summary)}")
     report(True, summary)
 
 
@@ -222,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="raise once on the last rank right after step N's checkpoint")
     p.add_argument("--num-cpus", type=int, default=8,
                    help="logical CPUs of the embedded local Ray (ignored when joining a cluster)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show Ray's own INFO logs and every line Ray forwards from its processes")
     return p
 
 
@@ -253,17 +280,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_ingest import quiet
     from ray_ingest.catalog import load_catalog
 
+    quiet_kw = {} if args.verbose else {"logging_level": logging.WARNING}
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
-            ray.init()
+            ray.init(**quiet_kw)
         else:
-            ray.init(num_cpus=args.num_cpus, include_dashboard=False,
-                     runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})
+            ray.init(**quiet.embedded_ray_kwargs(
+                args.num_cpus, {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"},
+                quiet=not args.verbose))
+    if not args.verbose:
+        quiet.filter_driver_output()
     try:
         catalog = load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
                                storage_options=cfg.data.storage_options, root=cfg.data.root)
@@ -283,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "audit_dir": os.path.abspath(args.audit_dir) if args.audit_dir else None,
         "fail_at_step": args.fail_at_step,
         "fail_marker": fail_marker,
+        "quiet": not args.verbose,
     }
     scaling_kw: dict[str, Any] = {}
     if cfg.train.label_selector:
@@ -297,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             name=cfg.train.name, storage_path=os.path.abspath(cfg.train.storage_path)
             if "://" not in cfg.train.storage_path else cfg.train.storage_path,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2)),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            # Ray Train's own INFO (worker group started, checkpoint reported) only with --verbose
+            logging_config=LoggingConfig(log_level="INFO" if args.verbose else "WARNING")),
     )
     result = trainer.fit()
     if result.error is not None:

@@ -9,14 +9,23 @@ The first modality drives. Three alignment modes (design.md, "Alignment modes"):
     different keys are never emitted as one sample (PiD's silent ``zip`` did exactly that).
 ``merge``
     A prepare-free merge-join: every driver key present in all required modalities is emitted,
-    in driver order. Secondaries are read forward with a bounded look-ahead buffer, so
-    reordered members still match. Missing, extra, duplicated and orphaned members are skipped
-    and counted per modality and reason in :class:`AlignStats` (and logged).
+    in driver order. Secondaries are read forward with a bounded look-ahead buffer
+    (``max_read_ahead`` members), so reordered members still match. Missing, extra, duplicated
+    and orphaned members are skipped and counted per modality and reason in
+    :class:`AlignStats` (and logged). A key that is not found before the buffer is full cannot
+    be told from a missing one: it is an error, or under ``on_error="skip"`` a row marked
+    with the error (the read state records it like any read skip). When a modality's key set
+    is known up front (the sharder's key index), an absent key is declared missing at once,
+    without reading ahead.
 ``index``
     A key list (PiD's ``sample_keys_full_list``) is the driver: it fixes order and membership;
     every modality is matched against it like a merge secondary. An empty index ends at once.
 
 Optional modalities may lack a sample; their column is then None.
+
+A member whose header exceeded the reader's size limit (``Member.over_limit``) was never read:
+its sample is an :class:`~ray_ingest.errors.OversizedMemberError`, or under
+``on_error="skip"`` a row marked with it.
 
 No Ray, no torch.
 """
@@ -31,7 +40,7 @@ from typing import Any, Literal
 import attrs
 
 from ray_ingest import columns
-from ray_ingest.errors import AlignmentError, ConfigError
+from ray_ingest.errors import AlignmentError, ConfigError, IngestError, OversizedMemberError
 from ray_ingest.tario import Member
 
 log = logging.getLogger(__name__)
@@ -39,11 +48,16 @@ log = logging.getLogger(__name__)
 AlignMode = Literal["strict", "merge", "index"]
 ALIGN_MODES: tuple[str, ...] = ("strict", "merge", "index")
 #: Reasons counted by :class:`AlignStats`.
-REASONS = ("missing", "extra", "duplicate", "orphan", "reordered", "unnamed", "evicted")
-#: Look-ahead members buffered per secondary modality in merge/index mode.
-DEFAULT_WINDOW = 100_000
+REASONS = ("missing", "extra", "duplicate", "orphan", "reordered", "unnamed", "beyond_read_ahead",
+           "oversized")
+#: Look-ahead members buffered per secondary modality in merge/index mode (``data.max_read_ahead``).
+DEFAULT_WINDOW = 1000
+ON_ERROR = ("raise", "skip")
 
 KEY, SHARD, INDEX = columns.KEY, columns.SHARD, columns.INDEX
+#: Set (to the :class:`~ray_ingest.errors.IngestError`) in a row that stands for a sample that
+#: could not be read, under ``on_error="skip"``; its modality columns are then None.
+ERROR = columns.ERROR
 ext_column = columns.ext_column
 
 
@@ -85,11 +99,33 @@ def _named(members: Iterable[Member], modality: str, stats: AlignStats) -> Itera
         yield m
 
 
-def _row(shard: str, key: str, index: int, picked: Mapping[str, Member | None]) -> dict[str, Any]:
+def _row(shard: str, key: str, index: int, picked: Mapping[str, Member | None],
+         on_error: str = "raise", stats: AlignStats | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {KEY: key, SHARD: shard, INDEX: index}
     for modality, member in picked.items():
         row[modality] = None if member is None else member.data
         row[ext_column(modality)] = None if member is None else member.ext
+        if member is not None and member.over_limit is not None and ERROR not in row:
+            if stats is not None:
+                stats.add(modality, "oversized")
+            row[ERROR] = _fail(OversizedMemberError(
+                f"shard {shard}: key {key}: {modality} member {member.name} is {member.size} "
+                f"bytes, over the member size limit of {member.over_limit} "
+                f"(decode.max_member_bytes); not read"), on_error)
+    return row
+
+
+def _fail(exc: IngestError, on_error: str) -> IngestError:
+    """Raise ``exc``, or under ``on_error="skip"`` return it to mark the sample's row."""
+    if on_error != "skip":
+        raise exc
+    return exc
+
+
+def _error_row(shard: str, key: str, index: int, modalities: Sequence[str],
+               exc: IngestError) -> dict[str, Any]:
+    row = _row(shard, key, index, {m: None for m in modalities})
+    row[ERROR] = exc
     return row
 
 
@@ -105,6 +141,8 @@ def expand(
     skip_keys: Iterable[str] = (),
     stats: AlignStats | None = None,
     window: int = DEFAULT_WINDOW,
+    on_error: str = "raise",
+    known_keys: Mapping[str, frozenset[str]] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Expand one twin shard into sample rows.
 
@@ -120,23 +158,35 @@ def expand(
         limit: stop after this many emitted samples.
         skip_keys: (merge) driver keys before ``first_index``, so secondaries drop them quietly.
         stats: counters to update; a fresh one is used when None.
-        window: look-ahead members buffered per secondary in merge/index mode.
+        window: look-ahead members buffered per secondary in merge/index mode; a key not found
+            when the buffer is full is an error (see ``on_error``).
+        on_error: ``raise``: a member over the size limit, or a key beyond the look-ahead,
+            raises. ``skip``: the sample's row carries the error under :data:`ERROR` (modality
+            columns None) and expansion goes on.
+        known_keys: (merge/index) every key a modality's tar holds, when known without reading
+            it (the sharder's key index): an absent key is missing at once, no read-ahead.
     """
     check_align(align)
+    if on_error not in ON_ERROR:
+        raise ConfigError(f"on_error: expected one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    if window < 1:
+        raise ConfigError(f"window: expected a number of members >= 1, got {window!r}")
     stats = stats if stats is not None else AlignStats()
     modalities = list(streams)
     if not modalities:
         raise ConfigError("modalities: expected at least one, got none")
     optional = frozenset(optional)
+    known = dict(known_keys or {})
     if align == "strict":
-        gen = _strict(shard, streams, modalities, optional, first_index, stats)
+        gen = _strict(shard, streams, modalities, optional, first_index, stats, on_error)
     elif align == "merge":
         gen = _merge(shard, streams, modalities, optional, first_index, stats, window,
-                     frozenset(skip_keys))
+                     frozenset(skip_keys), on_error, known)
     else:
         if index_keys is None:
             raise ConfigError("index_keys: align='index' needs a key list, got None")
-        gen = _indexed(shard, streams, modalities, optional, index_keys, first_index, stats, window)
+        gen = _indexed(shard, streams, modalities, optional, index_keys, first_index, stats,
+                       window, on_error, known)
     if limit is None:
         yield from gen
         return
@@ -155,6 +205,7 @@ def _strict(
     optional: frozenset[str],
     first_index: int,
     stats: AlignStats,
+    on_error: str,
 ) -> Iterator[dict[str, Any]]:
     driver = modalities[0]
     required = [m for m in modalities if m not in optional or m == driver]
@@ -180,7 +231,7 @@ def _strict(
             else:
                 picked[m] = None
         stats.emitted += 1
-        yield _row(shard, key, position, {m: picked[m] for m in modalities})
+        yield _row(shard, key, position, {m: picked[m] for m in modalities}, on_error, stats)
         position += 1
     for m, cand in pending.items():
         if cand is None:
@@ -196,25 +247,28 @@ class _Cursor:
     """Forward reader of one secondary modality with a bounded look-ahead buffer."""
 
     def __init__(self, modality: str, members: Iterator[Member], stats: AlignStats, window: int,
-                 passed: frozenset[str]):
+                 passed: frozenset[str], known: frozenset[str] | None = None):
         self.modality = modality
         self.members = members
         self.stats = stats
         self.window = window
         self.passed = passed
+        #: Every key of the tar when known up front (key index): absent keys need no read-ahead.
+        self.known = known
         self.buf: OrderedDict[str, Member] = OrderedDict()
         self.seen: set[str] = set()
         self.done = False
+        #: The last :meth:`find` gave up because the buffer was full (not because the key is
+        #: absent): the key may still come later.
+        self.full = False
         #: Stream position of each buffered member, and the highest position taken so far:
         #: a member taken behind it was out of driver order ("reordered").
         self.seq: dict[str, int] = {}
         self.read = 0
         self.max_taken = -1
 
-    def find(self, key: str) -> bool:
-        """Read forward until ``key`` is buffered; False when the stream ends without it."""
-        if key in self.buf:
-            return True
+    def _next(self) -> Member | None:
+        """The next member not seen before and not before the resume point (None at the end)."""
         while not self.done:
             m = next(self.members, None)
             if m is None:
@@ -227,17 +281,29 @@ class _Cursor:
             self.seen.add(m.key)
             if m.key in self.passed:
                 continue  # belongs to a sample before the resume point
+            return m
+        return None
+
+    def find(self, key: str) -> bool:
+        """Read forward until ``key`` is buffered; False when the stream ends without it, the
+        key index says it is absent, or the buffer is full (then :attr:`full` is True)."""
+        self.full = False
+        if key in self.buf:
+            return True
+        if self.known is not None and key not in self.known:
+            return False
+        while not self.done:
+            if len(self.buf) >= self.window:
+                self.full = True
+                return False
+            m = self._next()
+            if m is None:
+                break
             self.seq[m.key] = self.read
             self.read += 1
-            if m.key == key:
-                self.buf[key] = m
-                return True
             self.buf[m.key] = m
-            if len(self.buf) > self.window:
-                old_key, old = self.buf.popitem(last=False)
-                del self.seq[old_key]
-                self.stats.add(self.modality, "evicted")
-                log.warning("look-ahead window of %s full: dropped %s", self.modality, old.name)
+            if m.key == key:
+                return True
         return False
 
     def take(self, key: str) -> Member:
@@ -249,15 +315,16 @@ class _Cursor:
         return self.buf.pop(key)
 
     def finish(self, driver_keys: set[str]) -> None:
-        """Drain the stream and classify leftovers (only called once the driver is exhausted)."""
-        while self.find("\0never\0"):
-            pass
-        for key in self.buf:
+        """Classify leftovers, buffered and unread (only called once the driver is exhausted)."""
+        leftovers = list(self.buf)
+        self.buf.clear()
+        self.seq.clear()
+        while (m := self._next()) is not None:
+            leftovers.append(m.key)  # one member at a time: draining needs no buffer
+        for key in leftovers:
             reason = "orphan" if key in driver_keys else "extra"
             self.stats.add(self.modality, reason)
             log.info("skip %s member %s of %s", reason, key, self.modality)
-        self.buf.clear()
-        self.seq.clear()
 
 
 def _merge(
@@ -269,10 +336,13 @@ def _merge(
     stats: AlignStats,
     window: int,
     passed: frozenset[str],
+    on_error: str,
+    known: Mapping[str, frozenset[str]],
 ) -> Iterator[dict[str, Any]]:
     driver = modalities[0]
     cursors = {
-        m: _Cursor(m, _named(streams[m], m, stats), stats, window, passed) for m in modalities[1:]
+        m: _Cursor(m, _named(streams[m], m, stats), stats, window, passed, known.get(m))
+        for m in modalities[1:]
     }
     state = {"exhausted": False}
 
@@ -287,7 +357,7 @@ def _merge(
         state["exhausted"] = True
 
     yield from _join_tracking(shard, driver_keys(), driver, cursors, modalities, optional, stats,
-                              state)
+                              state, on_error)
 
 
 def _join_tracking(
@@ -299,6 +369,7 @@ def _join_tracking(
     optional: frozenset[str],
     stats: AlignStats,
     state: dict[str, bool],
+    on_error: str,
 ) -> Iterator[dict[str, Any]]:
     """Emit driver keys found in every required cursor; classify leftovers at the end."""
     seen: set[str] = set()
@@ -308,24 +379,44 @@ def _join_tracking(
             log.info("skip duplicate %s key %s in shard %s", driver or "index", key, shard)
             continue
         seen.add(key)
-        lacking = [m for m, c in cursors.items() if m not in optional and not c.find(key)]
-        if lacking:
+        found: dict[str, bool] = {}
+        lacking: list[str] = []
+        for m, c in cursors.items():
+            if m not in optional:
+                found[m] = c.find(key)
+                if not found[m] and not c.full:
+                    lacking.append(m)
+        if lacking:  # absent for sure from a required modality: merge skips the sample
             for m in lacking:
                 stats.add(m, "missing")
             log.info("shard %s: skip key %s (missing in %s)", shard, key, ",".join(lacking))
+            continue
+        for m, c in cursors.items():
+            if m in optional:
+                found[m] = c.find(key)
+        beyond = [m for m, c in cursors.items() if not found[m] and c.full]
+        if beyond:
+            # The buffer is full and the key was not in it: it may still come, or never.
+            window = cursors[beyond[0]].window
+            for m in beyond:
+                stats.add(m, "beyond_read_ahead")
+            for m, c in cursors.items():
+                if found[m]:
+                    c.take(key)  # the sample is skipped as a whole: free its members' buffer
+            exc = AlignmentError(
+                f"shard {shard}: key {key} not found in {','.join(beyond)} within {window} "
+                f"members read ahead (data.max_read_ahead); that tar is too far out of order "
+                f"or lacks too many keys for merge alignment without a key index")
+            yield _error_row(shard, key, position, modalities, _fail(exc, on_error))
             continue
         picked: dict[str, Member | None] = {}
         for m in modalities:
             if m == driver:
                 picked[m] = driver_member
-                continue
-            cursor = cursors[m]
-            if not cursor.find(key):
-                picked[m] = None  # optional modality without this sample
-                continue
-            picked[m] = cursor.take(key)
+            else:
+                picked[m] = cursors[m].take(key) if found[m] else None
         stats.emitted += 1
-        yield _row(shard, key, position, picked)
+        yield _row(shard, key, position, picked, on_error, stats)
     if state["exhausted"]:
         for c in cursors.values():
             c.finish(seen)
@@ -340,11 +431,14 @@ def _indexed(
     first_index: int,
     stats: AlignStats,
     window: int,
+    on_error: str,
+    known: Mapping[str, frozenset[str]],
 ) -> Iterator[dict[str, Any]]:
     if not index_keys:
         return
     cursors = {
-        m: _Cursor(m, _named(streams[m], m, stats), stats, window, frozenset()) for m in modalities
+        m: _Cursor(m, _named(streams[m], m, stats), stats, window, frozenset(), known.get(m))
+        for m in modalities
     }
     state = {"exhausted": False}
 
@@ -353,4 +447,5 @@ def _indexed(
             yield pos, index_keys[pos], None
         state["exhausted"] = True
 
-    yield from _join_tracking(shard, keys(), None, cursors, modalities, optional, stats, state)
+    yield from _join_tracking(shard, keys(), None, cursors, modalities, optional, stats, state,
+                              on_error)

@@ -41,17 +41,20 @@ class EpochWindow:
         ordered: rows arrive in stream order.
         clock: waiting for rows (and starting the execution) is counted as ``clock.wait``.
         on_stats: receives the execution's statistics when it finishes.
+        on_wait: receives every wait for rows, in seconds (metrics).
     """
 
     def __init__(self, plans: Sequence[EpochPlan],
                  open_execution: Callable[[list[ReadItem]], Execution], *, exact: bool,
                  ordered: bool, clock: StageClock | None = None,
-                 on_stats: Callable[[str], Any] | None = None):
+                 on_stats: Callable[[str], Any] | None = None,
+                 on_wait: Callable[[float], Any] | None = None):
         self.plans = list(plans)
         self.exact, self.ordered = exact, ordered
         self._open = open_execution
         self._clock = clock or StageClock()
         self._on_stats = on_stats
+        self._on_wait = on_wait
         self._execution: Execution | None = None
         self._blocks: Iterator[Block] | None = None
         self._ahead: dict[int, list[Block]] = {}
@@ -97,7 +100,10 @@ class EpochWindow:
                 self._blocks = self._execution.blocks()
             block = next(self._blocks, None)
         finally:
-            self._clock.wait += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self._clock.wait += waited
+            if self._on_wait is not None:
+                self._on_wait(waited)
         if block is None:
             self._ended = True
             stats = self._execution.stats() if self._on_stats is not None else None

@@ -31,7 +31,7 @@ class LocalExecution:
         return lambda items: cls(cfg, catalog, items)
 
     def blocks(self) -> Iterator[dict[str, np.ndarray]]:
-        opts = read_options(self.cfg.data)
+        opts = read_options(self.cfg)
         for item in self.items:
             if self.closed:
                 return

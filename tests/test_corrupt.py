@@ -2,8 +2,8 @@
 
 A synthetic dataset is copied into ``tmp_path`` and damaged one shard per kind of bad input:
 corrupt JPEG, truncated JPEG, truncated tar, missing twin tar, misaligned keys (strict mode),
-unreadable member (bad header checksum), oversized member (``decode.max_member_bytes``) and
-decompression bombs (``decode.max_image_pixels``, Pillow's warning and error levels).
+unreadable member (bad header checksum), oversized member (``decode.max_member_bytes``, caught
+from the tar header by the read task: the payload is never read) and decompression bombs (``decode.max_image_pixels``, Pillow's warning and error levels).
 
 - ``raise``: every kind fails with one line naming the shard, the index/key and the reason —
   checked for every kind on the read task + decoder directly, and through ``IngestLoader`` on
@@ -36,7 +36,7 @@ from ray_ingest.decode import Decoder
 from ray_ingest.errors import IngestError, SkipBudgetExceeded
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
-from ray_ingest.reader import ReadOptions
+from ray_ingest.reader import read_options
 from ray_ingest.source import ReadItem, read_item
 from ray_ingest.stream import IngestLoader
 from ray_ingest.synth import synth_dataset
@@ -153,9 +153,11 @@ KINDS: dict[str, tuple[Any, int, tuple[int, ...], str, str]] = {
     "bad_header": (_bad_header, 5, (4, 5), r"^read: TarFormatError: .*checksum mismatch",
                    r"index 4 \(after key {k3}\): .*image/{rel}: corrupt tar header at byte "
                    r"\d+ \(checksum mismatch\)"),
-    "oversized": (_oversized, 6, (0,), r"^SampleError: image: member of \d+ bytes exceeds "
-                  r"decode.max_member_bytes \(65536\)",
-                  r"key {k0} index 0: cannot decode: SampleError: image: member of \d+ bytes"),
+    "oversized": (_oversized, 6, (0,), r"^read: OversizedMemberError: shard {rel}: key {k0}: "
+                  r"image member {k0}\.jpg is \d+ bytes, over the member size limit of 65536 "
+                  r"\(decode\.max_member_bytes\); not read$",
+                  r"index 0: key {k0}: image member {k0}\.jpg is \d+ bytes, over the member size "
+                  r"limit of 65536 \(decode\.max_member_bytes\); not read$"),
     "bomb": (_bomb, 7, (5,), r"^DecompressionBombError: Image size \(2250000 pixels\)",
              r"key {k5} index 5: cannot decode: DecompressionBombError"),
     "bomb_warning": (_bomb_warning, 8, (3,), r"^DecompressionBombWarning: Image size",
@@ -241,7 +243,7 @@ def test_raise_names_shard_key_and_reason(pristine, tmp_path, kind):
     item = ReadItem(0, sid, 0, SHARD_SIZE)
     decoder = Decoder(cfg.decode, on_error="raise")
     with pytest.raises(IngestError) as info:
-        for block in read_item(catalog.shards[sid], item, ReadOptions(), 4, on_error="raise"):
+        for block in read_item(catalog.shards[sid], item, read_options(cfg), 4, on_error="raise"):
             decoder(block)
     text = str(info.value)
     assert "\n" not in text
@@ -310,7 +312,8 @@ def test_skip_records_every_bad_sample_with_its_reason(skip_run, damaged, remote
     assert m["skips_by_kind"]["read/TarFormatError"] == 3 + 2
     assert m["skips_by_kind"]["read/AlignmentError"] == 1
     assert m["skips_by_kind"]["read/IngestError"] == 6
-    assert m["skips_by_kind"]["SampleError"] == 1
+    assert m["skips_by_kind"]["read/OversizedMemberError"] == 1  # from the header, not decode
+    assert "SampleError" not in m["skips_by_kind"]
 
 
 @pytest.mark.ray

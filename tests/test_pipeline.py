@@ -11,12 +11,12 @@ import pytest
 
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
-from ray_ingest.inspect import iter_records
 from ray_ingest.plan.epoch import read_items
 from ray_ingest.plan.state import initial_state, slot_stream
 from ray_ingest.plan.topology import Topology
 from ray_ingest.reader import ReadOptions, read_shard
 from ray_ingest.stream import IngestLoader, plan_params
+from ray_ingest.summary import iter_records
 from ray_ingest.synth import synth_dataset
 
 pytestmark = pytest.mark.ray

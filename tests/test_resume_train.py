@@ -107,6 +107,9 @@ def test_failure_rerun_and_topology_change_are_exactly_once(ray_local, job):
     assert os.path.exists(os.path.join(job["storage"], f"{job['name']}.failed_once"))
     starts = {r: [x for x in recs if x.get("event") == "start"] for r, recs in ledger(job).items()}
     assert {r: [s["resume_step"] for s in v] for r, v in starts.items()} == {0: [0, 4], 1: [0, 4]}
+    # attempts are numbered by rank 0 and broadcast: the same on both ranks; no wall clock
+    assert {r: [s["attempt"] for s in v] for r, v in starts.items()} == {0: [0, 1], 1: [0, 1]}
+    assert not [x for recs in ledger(job).values() for x in recs if "t" in x]
     code, reports = audit(job)
     assert code == 0, reports
     assert [r["epoch"] for r in reports] == [0, 1]
@@ -139,6 +142,9 @@ def test_failure_rerun_and_topology_change_are_exactly_once(ray_local, job):
         check_exactly_once(report)
     recs = ledger(job)
     assert sorted(recs) == [0, 1, 2, 3]
+    # the 4-worker run is the job's 4th attempt on every rank, the new ranks 2 and 3 included
+    assert {r: [x["attempt"] for x in v if x.get("event") == "start"] for r, v in recs.items()} \
+        == {0: [0, 1, 2, 3], 1: [0, 1, 2, 3], 2: [3], 3: [3]}
     after = {r: [b for b in v if "keys" in b and b["step"] > 23] for r, v in recs.items()}
     # the 56 unconsumed samples of epoch 2, balanced over 2 slots: 28 each -> 4 batches each,
     # numbered on from the 3 batches epoch 2 had before

@@ -113,7 +113,7 @@ def test_bad_arguments(tmp_path, kwargs, match):
 def test_memory_filesystem_round_trip():
     import fsspec
 
-    from ray_ingest.inspect import iter_records, summarize
+    from ray_ingest.summary import iter_records, summarize
 
     try:
         report = synth_dataset("memory://synth-test/ds", samples=7, shard_size=3,

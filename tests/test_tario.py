@@ -204,3 +204,72 @@ def test_writer_output_is_a_standard_tar_with_a_matching_index(tmp_path):
         assert idx == build_index(io.BytesIO(data), tar_size=len(data))
         assert idx.keys == tuple(keys)
     assert index_url("x/y.tar") == "x/y.tar.idx.json"
+
+
+# --- size limit from the header: the payload of an oversized member is never read -----------
+
+
+class Counting(io.RawIOBase):
+    """A file that counts the payload bytes handed out and remembers the largest read."""
+
+    def __init__(self, data: bytes, seekable: bool):
+        self._buf = io.BytesIO(data)
+        self._seekable = seekable
+        self.bytes_read = 0
+        self.largest_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self._seekable
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if not self._seekable:
+            raise io.UnsupportedOperation("not seekable")
+        return self._buf.seek(pos, whence)
+
+    def tell(self) -> int:
+        return self._buf.tell()
+
+    def readinto(self, b) -> int:
+        chunk = self._buf.read(len(b))
+        b[: len(chunk)] = chunk
+        self.bytes_read += len(chunk)
+        self.largest_read = max(self.largest_read, len(chunk))
+        return len(chunk)
+
+
+HUGE = 8 * 2**20  # an 8 MiB member, limit 64 KiB
+
+
+def _huge_tar() -> bytes:
+    return tar_bytes([("a.jpg", b"A" * 100), ("b.jpg", b"\x00" * HUGE), ("c.jpg", b"C" * 200)])
+
+
+@pytest.mark.parametrize("seekable", [True, False], ids=["seekable", "stream"])
+def test_oversized_member_is_skipped_from_its_header(seekable):
+    f = Counting(_huge_tar(), seekable)
+    ms = list(iter_members(f, "x.tar", max_member_bytes=64 * 1024))
+    assert [(m.key, m.size, m.over_limit) for m in ms] == [
+        ("a", 100, None), ("b", HUGE, 64 * 1024), ("c", 200, None)]
+    assert ms[1].data is None and ms[0].data == b"A" * 100 and ms[2].data == b"C" * 200
+    if seekable:  # the payload was seeked over: only headers, the small payloads, one byte
+        assert f.bytes_read < 16 * 1024, f.bytes_read
+    else:  # read and discarded, never held whole: chunks of at most 1 MiB
+        assert f.bytes_read > HUGE and f.largest_read <= 2**20, f.largest_read
+
+
+def test_no_limit_reads_every_member_and_headers_only_ignore_the_limit():
+    ms = list(iter_members(io.BytesIO(_huge_tar()), "x.tar"))
+    assert ms[1].data == b"\x00" * HUGE and ms[1].over_limit is None
+    ms = list(iter_members(io.BytesIO(_huge_tar()), "x.tar", read_data=False, max_member_bytes=1))
+    assert all(m.data is None and m.over_limit is None for m in ms)
+
+
+def test_oversized_member_of_a_truncated_tar_is_a_truncation_error():
+    data = _huge_tar()
+    offset = 3 * 512 + 1024  # header a + payload a (1 block) + header b, inside b's payload
+    with pytest.raises(TarFormatError, match=r"x\.tar: truncated tar: member 'b\.jpg'"):
+        list(iter_members(io.BytesIO(data[: offset + HUGE // 2]), "x.tar",
+                          max_member_bytes=64 * 1024))

@@ -4,17 +4,20 @@ reordered members, checked against an independent model of each mode."""
 from __future__ import annotations
 
 import itertools
+import re
+import tarfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ray_ingest.catalog import TarSample
-from ray_ingest.errors import AlignmentError, ConfigError
+from ray_ingest.errors import AlignmentError, ConfigError, OversizedMemberError
 from ray_ingest.reader import ReadOptions, read_shard
 from ray_ingest.tario import Member
-from ray_ingest.twin import INDEX, KEY, SHARD, AlignStats, expand, ext_column
-from tests.datagen import member_name, parse_payload, write_twin
+from ray_ingest.twin import ERROR, INDEX, KEY, SHARD, AlignStats, expand, ext_column
+from tests.datagen import member_name, parse_payload, write_tar, write_twin
 
 SHARD_PATH = "part_000000/000000.tar"
 PROPERTY = settings(max_examples=120, deadline=None,
@@ -62,6 +65,11 @@ def _write(tmp_path_factory, streams: dict[str, list[str]], index: bool = False)
     root = tmp_path_factory.getbasetemp() / "twin" / f"case{next(_counter)}"
     write_twin(root, {SHARD_PATH: streams}, index=index, wdinfo=False)
     return TarSample(path=SHARD_PATH, root=str(root), keys=tuple(streams), count=None)
+
+
+def _tar_members(path: Path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path) as tf:
+        return [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
 
 
 def _first_positions(seq: list[str]) -> dict[str, int]:
@@ -208,16 +216,74 @@ def test_merge_counts_reorder_only_when_out_of_order(tmp_path_factory):
     assert stats.get("caption", "reordered") == 1
 
 
-def test_merge_window_evicts_and_counts(tmp_path_factory):
-    case = {"image": ["a", "b", "c", "d"], "caption": ["d", "c", "b", "a"]}
+def _member_stream(keys: list[str], consumed: list[str] | None = None, modality: str = "caption"):
+    """Members of ``keys`` (payloads inline); appends each key to ``consumed`` as it is read."""
+    for pos, k in enumerate(keys):
+        if consumed is not None:
+            consumed.append(k)
+        yield Member(name=f"{k}.json", key=k, ext="json", offset=pos * 1024, size=2,
+                     data=f"{modality}:{k}".encode())
+
+
+def test_merge_read_ahead_is_bounded():
+    """Looking for a key, a secondary reads at most ``window`` members ahead; then the key is an
+    error naming shard, key and setting (the old look-ahead read to the end of the tar)."""
+    consumed: list[str] = []
+    streams = {"image": _member_stream(list("abcdefgh"), modality="image"),
+               "caption": _member_stream(list("hgfedcba"), consumed)}
+    with pytest.raises(AlignmentError) as info:
+        list(expand(SHARD_PATH, streams, align="merge", window=3))
+    assert str(info.value) == (
+        f"shard {SHARD_PATH}: key a not found in caption within 3 members read ahead "
+        "(data.max_read_ahead); that tar is too far out of order or lacks too many keys for "
+        "merge alignment without a key index")
+    assert consumed == ["h", "g", "f"]
+
+
+def test_merge_beyond_read_ahead_under_skip_marks_the_sample_and_goes_on():
+    case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}  # b missing, same order
     stats = AlignStats()
-    rows = list(read_shard(_write(tmp_path_factory, case),
+    rows = list(expand(SHARD_PATH, {m: _member_stream(v, modality=m) for m, v in case.items()},
+                       align="merge", window=3, on_error="skip", stats=stats))
+    assert [r[KEY] for r in rows] == list("abcdefgh")
+    bad = [r for r in rows if ERROR in r]
+    assert [(r[KEY], r[INDEX], r["image"], r["caption"]) for r in bad] == [("b", 1, None, None)]
+    assert isinstance(bad[0][ERROR], AlignmentError) and "key b not found" in str(bad[0][ERROR])
+    good = [r for r in rows if ERROR not in r]
+    assert all(r["caption"] == f"caption:{r[KEY]}".encode() for r in good)  # nothing lost after
+    assert stats.get("caption", "beyond_read_ahead") == 1 and stats.emitted == 7
+
+
+def test_merge_with_a_key_index_declares_missing_keys_at_once(tmp_path_factory):
+    """The sharder's key index tells an absent key from a far one: no read-ahead, no error."""
+    case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}
+    stats = AlignStats()
+    rows = list(read_shard(_write(tmp_path_factory, case, index=True),
                            opts=ReadOptions(align="merge", window=1), stats=stats))
-    # looking for a, the window of 1 keeps only the newest read-ahead member (b): c and d
-    # are evicted and then missing
-    assert [r[KEY] for r in rows] == ["a", "b"]
-    assert stats.get("caption", "evicted") == 2
-    assert stats.get("caption", "missing") == 2
+    assert [r[KEY] for r in rows] == ["a", *"cdefgh"]
+    assert stats.get("caption", "missing") == 1 and stats.get("caption", "beyond_read_ahead") == 0
+    # without the index the same window cannot tell: a clear error
+    with pytest.raises(AlignmentError, match="key b not found in caption within 1 members"):
+        list(read_shard(_write(tmp_path_factory, case), opts=ReadOptions(align="merge", window=1)))
+
+
+@pytest.mark.parametrize("align", ["strict", "merge"])
+def test_member_over_the_size_limit_is_an_error_or_a_marked_row(tmp_path_factory, align):
+    shard = _write(tmp_path_factory, {"image": ["a", "b", "c"], "caption": ["a", "b", "c"]})
+    big = Path(shard.url("caption"))
+    members = [(n, d if n != "b.json" else d + b" " * 5000) for n, d in _tar_members(big)]
+    write_tar(big, members)
+    opts = ReadOptions(align=align, max_member_bytes=1000)
+    with pytest.raises(OversizedMemberError) as info:
+        list(read_shard(shard, opts=opts))
+    assert re.fullmatch(rf"shard {SHARD_PATH}: key b: caption member b\.json is \d+ bytes, over "
+                        r"the member size limit of 1000 \(decode\.max_member_bytes\); not read",
+                        str(info.value)), str(info.value)
+    stats = AlignStats()
+    rows = list(read_shard(shard, opts=opts, on_error="skip", stats=stats))
+    assert [(r[KEY], ERROR in r) for r in rows] == [("a", False), ("b", True), ("c", False)]
+    assert rows[1]["caption"] is None and isinstance(rows[1][ERROR], OversizedMemberError)
+    assert stats.get("caption", "oversized") == 1
 
 
 # --------------------------------------------------------------------------- index
@@ -344,3 +410,24 @@ def test_rows_carry_provenance(tmp_path_factory):
     (row,) = read_shard(shard)
     assert row[SHARD] == SHARD_PATH and row[INDEX] == 0 and row[KEY] == "a"
     assert row[ext_column("image")] == "jpg" and row[ext_column("caption")] == "json"
+
+
+def test_read_task_records_a_key_beyond_read_ahead_as_a_read_skip(tmp_path_factory):
+    """Under on_error=skip the read task marks just that sample (``__error__``), like every
+    read skip the loader records in the read state; the other samples are read."""
+    from ray_ingest.source import ReadItem, read_item
+
+    case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}
+    shard = _write(tmp_path_factory, case)
+    opts = ReadOptions(align="merge", window=2)
+    [block] = list(read_item(shard, ReadItem(seq=10, sid=3, start=0, count=8), opts, 64,
+                             on_error="skip"))
+    rows = block.to_pylist()
+    assert [r[KEY] for r in rows] == list("abcdefgh")
+    errors = {r[KEY]: r["__error__"] for r in rows if r["__error__"]}
+    assert list(errors) == ["b"]
+    assert errors["b"].startswith(f"read: AlignmentError: shard {SHARD_PATH}: key b not found in "
+                                  "caption within 2 members read ahead (data.max_read_ahead)")
+    assert [(r["__seq__"], r["__index__"]) for r in rows if r[KEY] == "b"] == [(11, 1)]
+    with pytest.raises(AlignmentError, match=r"index 1 \(after key a\): key b not found"):
+        list(read_item(shard, ReadItem(seq=10, sid=3, start=0, count=8), opts, 64))

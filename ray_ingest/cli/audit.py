@@ -8,7 +8,7 @@ import attrs
 import click
 from tqdm import tqdm
 
-from ray_ingest.audit import audit, keys_at, read_ledgers
+from ray_ingest.audit import VIOLATION, audit, keys_at, read_ledgers
 from ray_ingest.catalog import load_catalog
 
 
@@ -22,7 +22,8 @@ from ray_ingest.catalog import load_catalog
               help="Progress bar on stderr, one tick per epoch (default: only on a terminal).")
 def command(ledger_dir: str, data: tuple[str, ...], keys: str | None, step: int | None,
             rank: int, progress: bool | None) -> None:
-    """Per epoch: samples expected, seen, duplicated, missing (exit 1 if not exactly-once)."""
+    """Per epoch: samples expected, seen, duplicated, missing, and a status: exactly-once,
+    incomplete (the run stopped inside the epoch) or violation (exit 1)."""
     ledgers = read_ledgers(ledger_dir)
     if step is not None:
         click.echo(json.dumps(keys_at(ledgers, rank, step)))
@@ -39,6 +40,6 @@ def command(ledger_dir: str, data: tuple[str, ...], keys: str | None, step: int 
         for report in audit(view, catalog):
             bar.clear()
             click.echo(json.dumps(report))
-            bad |= report["complete"] and not report["exactly_once"]
+            bad |= report["status"] == VIOLATION
     if bad:
         raise click.exceptions.Exit(1)

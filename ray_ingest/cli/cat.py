@@ -1,4 +1,4 @@
-"""``ray-ingest cat``: samples as JSON lines (:func:`ray_ingest.inspect.iter_records`)."""
+"""``ray-ingest cat``: samples as JSON lines (:func:`ray_ingest.summary.iter_records`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import click
 
 from ray_ingest.catalog import ROOT_MODES
 from ray_ingest.errors import IngestError
-from ray_ingest.inspect import iter_records
+from ray_ingest.summary import iter_records
 from ray_ingest.twin import ALIGN_MODES, AlignStats
 
 

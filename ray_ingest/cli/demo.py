@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -19,15 +18,15 @@ import click
 def command(out: str, samples: int, shard_size: int, config_path: str, max_steps: int | None,
             num_workers: int) -> None:
     """Run the end-to-end demo on an embedded local Ray (CPU)."""
-    from ray_ingest.audit import audit, read_ledgers
+    from ray_ingest.audit import VIOLATION, audit, read_ledgers, summary_line
     from ray_ingest.catalog import load_catalog
-    from ray_ingest.inspect import format_summary, summarize
+    from ray_ingest.summary import format_summary, summarize
     from ray_ingest.synth import synth_dataset
     from ray_ingest.train import main as train_main
 
     if not os.path.exists(os.path.join(out, "wdinfo.json")):
         click.echo(f"[demo] synthesizing {samples} samples into {out}")
-        synth_dataset(out, samples=samples, shard_size=shard_size, seed=0, progress=True,
+        synth_dataset(out, samples=samples, shard_size=shard_size, seed=0, progress=None,
                       overwrite=True)
     click.echo(format_summary(summarize([out])))
     runs = os.path.join(os.path.dirname(os.path.abspath(out)), "demo_runs")
@@ -42,6 +41,8 @@ def command(out: str, samples: int, shard_size: int, config_path: str, max_steps
         raise click.exceptions.Exit(rc)
     reports = audit(read_ledgers(ledger), load_catalog([out]))
     for r in reports:
-        r.pop("missing_examples", None)
-        click.echo(f"[demo] audit {json.dumps(r)}")
-    click.echo(f"[demo] done: run folder {runs}")
+        click.echo(f"[demo] audit {summary_line(r)}")
+    click.echo(f"[demo] done: run folder {runs}; `ray-ingest audit {ledger} --data {out}` "
+               f"prints the full reports")
+    if any(r["status"] == VIOLATION for r in reports):
+        raise click.exceptions.Exit(1)

@@ -1,4 +1,4 @@
-"""``ray-ingest info``: summary of datasets (:func:`ray_ingest.inspect.summarize`)."""
+"""``ray-ingest info``: summary of datasets (:func:`ray_ingest.summary.summarize`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import click
 
 from ray_ingest.catalog import ROOT_MODES
 from ray_ingest.errors import IngestError
-from ray_ingest.inspect import format_summary, summarize
+from ray_ingest.summary import format_summary, summarize
 
 
 @click.command("info")

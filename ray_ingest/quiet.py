@@ -1,0 +1,169 @@
+"""Quiet, meaningful output from an embedded Ray: our lines, Ray's warnings, not its chatter.
+
+Where Ray's noise comes from, and what is done about it (the lines are verbatim in the tests):
+
+* ``Failed to query Ray Train Controller actor state. State API may be temporarily unavailable``,
+  once a second: Ray Train's ``PlacementGroupCleaner`` actor polls the State API, which the
+  dashboard serves. Fixed at the source: when the dashboard's packages are installed
+  (``ray[default]``) the embedded Ray starts its dashboard on a free port, and the workers are
+  pointed at it (``RAY_API_SERVER_ADDRESS``); otherwise the cleaner would also look up the
+  machine's *latest* Ray instance, possibly another user's. With ``ray[data,train]`` alone
+  there is no State API: the line is dropped by a filter matching exactly that message.
+* ``core_worker.cc: Actor with class name … has constructor arguments in the object store and
+  max_restarts > 0`` (Ray Data's actor pool, Ray Train's ``PreemptionWatcher``) and the
+  raylet's ``WARNING: N PYTHON worker processes have been started …`` (fractional CPUs start
+  many workers on a small machine): informational, from processes we do not own; dropped by
+  exact-message filters on the lines Ray forwards to the driver.
+* Ray's INFO chatter: ``Started a local Ray instance`` (driver ``ray`` logger), Ray Train's
+  worker-group and checkpoint reports (``ray.train`` logger, ``RunConfig.logging_config``),
+  Ray Data's execution banners (``DataContext.print_on_execution_start``, the ``ray.data``
+  console handler; its log file under the session folder keeps everything).
+* ``(gcs_server) gcs_actor_scheduler.cc: Failed to kill actor … Socket closed``: at the end of
+  a run, killing an actor whose process already exited; dropped by an exact-message filter.
+* ``(raylet) Task MapWorker(MapBatches(Decoder)).submit failed … killed by `ray.kill```: Ray Data
+  killing the decode pool of an epoch the train loop stopped early (``max_steps``); dropped by
+  an exact-message filter.
+
+Nothing here hides a warning or an error of ours, or any other line of Ray's.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: Exact messages of harmless Ray lines (matched anywhere in a line, Ray adds prefixes).
+NOISE: tuple[re.Pattern[str], ...] = (
+    re.compile(r"Failed to query Ray Train Controller actor state\. State API may be "
+               r"temporarily unavailable\. Continuing to monitor\."),
+    re.compile(r"core_worker\.cc:\d+: Actor with class name: '[^']*' and ID: '[0-9a-f]+' has "
+               r"constructor arguments in the object store and max_restarts > 0\."),
+    re.compile(r"WARNING: \d+ PYTHON worker processes have been started on node: \S+ with "
+               r"address: \S+, which is \d+x the maximum expected startup concurrency"),
+    re.compile(r"gcs_actor_scheduler\.cc:\d+: Failed to kill actor [0-9a-f]+, return status: "
+               r"Invalid: KillActor RPC failed for actor [0-9a-f]+: RpcError: RPC error: Socket "
+               r"closed"),
+    re.compile(r"Task MapWorker\(MapBatches\(Decoder\)\)\.submit failed\. There are infinite "
+               r"retries remaining, so the task will be retried\. Error: The actor is dead "
+               r"because it was killed by `ray\.kill`\."),
+)
+_PROGRESS_BARS_OFF = "Progress bars disabled. To enable, set"
+
+
+def is_noise(line: str) -> bool:
+    """True for a line of one of the known-harmless Ray messages (:data:`NOISE`)."""
+    return any(p.search(line) for p in NOISE)
+
+
+def without_noise(lines: Iterable[str]) -> list[str]:
+    return [line for line in lines if not is_noise(line)]
+
+
+def dashboard_available() -> bool:
+    """Whether the dashboard's packages (``ray[default]``) are installed."""
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def embedded_ray_kwargs(num_cpus: int, env_vars: Mapping[str, str] | None = None,
+                        quiet: bool = True) -> dict[str, Any]:
+    """``ray.init`` arguments for a private local Ray (the demo, the job without a cluster).
+
+    ``address="local"`` never joins another Ray instance on the machine. With ``ray[default]``
+    the dashboard runs on a free port (never the shared default 8265) and the workers' State
+    API calls go to it; with ``quiet`` the driver's ``ray`` logger shows warnings only.
+    """
+    env = dict(env_vars or {})
+    kw: dict[str, Any] = {"address": "local", "num_cpus": num_cpus}
+    if dashboard_available():
+        port = free_port()
+        kw.update(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=port)
+        env["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    else:
+        kw["include_dashboard"] = False
+    kw["runtime_env"] = {"env_vars": env}
+    if quiet:
+        kw["logging_level"] = logging.WARNING
+    return kw
+
+
+def filter_driver_output() -> bool:
+    """Drop :data:`NOISE` lines from what Ray prints on this driver for its other processes.
+
+    Both of Ray's paths to the driver's console, worker output (``log_to_driver``) and raylet
+    error messages, end in ``ray._private.worker.print_worker_logs``; it is wrapped so that
+    known-noise lines are dropped and everything else passes unchanged. Returns False (and
+    changes nothing) when Ray's internals differ from 2.60's.
+    """
+    try:
+        import ray._private.worker as ray_worker
+    except ImportError:
+        return False
+    original = getattr(ray_worker, "print_worker_logs", None)
+    if original is None:
+        return False
+    if getattr(original, "_ray_ingest_filter", False):
+        return True
+
+    def print_worker_logs(data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        lines = data.get("lines") if isinstance(data, dict) else None
+        if lines:
+            kept = without_noise(lines)
+            if not kept:
+                return None
+            if len(kept) != len(lines):
+                data = {**data, "lines": kept}
+        return original(data, *args, **kwargs)
+
+    print_worker_logs._ray_ingest_filter = True  # type: ignore[attr-defined]
+    ray_worker.print_worker_logs = print_worker_logs
+    return True
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_worker() -> None:
+    """In a Ray Train worker, which runs the loader's Ray Data executions:
+
+    * Ray Data: no execution banners or INFO lines on the console (its log file keeps them),
+      and not its warning that progress bars are off, which the loader turns off on purpose;
+      its other warnings stay.
+    * Ray Train's ``Reporting training result …`` INFO line, from a logger named after its
+      source file (``getLogger(__file__)``, outside ``ray.train``, so ``RunConfig``'s log level
+      misses it): that one logger shows warnings only, like the rest of Ray Train.
+    """
+    import ray.data
+
+    try:
+        from ray.train.v2._internal.execution import context as train_context
+    except ImportError:
+        pass
+    else:
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+
+    ray.data.DataContext.get_current().print_on_execution_start = False
+    for handler in logging.getLogger("ray.data").handlers:
+        if type(handler).__name__ == "PlainRayHandler":  # the console one, not the files
+            handler.setLevel(logging.WARNING)
+    progress = logging.getLogger("ray.data._internal.progress")
+    if not any(isinstance(f, _DropMessage) for f in progress.filters):
+        progress.addFilter(_DropMessage(_PROGRESS_BARS_OFF))
