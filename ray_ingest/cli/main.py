@@ -15,7 +15,7 @@ import click
 from ray_ingest.errors import IngestError
 
 #: Subcommand modules, in help order. A module that fails to import is a bug, not bad input.
-SUBCOMMANDS = ("synth", "shard", "info", "cat", "plan", "bench", "audit", "demo")
+SUBCOMMANDS = ("synth", "shard", "convert", "info", "cat", "plan", "bench", "audit", "demo")
 
 
 class _Group(click.Group):
