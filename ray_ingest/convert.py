@@ -431,7 +431,7 @@ def convert_pickles(
     if out is not None:
         _check_out(out, so)
     jobs: list[ConvertJob] = []
-    leaves: list[tuple[str, str, dict[str, Any], list[str]]] = []
+    leaves: list[tuple[str, str, dict[str, Any]]] = []
     for url in urls:
         try:
             doc = json.loads(remote.read_bytes(url, so))
@@ -443,14 +443,12 @@ def convert_pickles(
                               f"{list(info.data_keys)}")
         others = tuple(k for k in info.data_keys if k != modality)
         out_leaf = None if out is None else join_url(out, _rel_leaf(root, url, so))
-        paths = []
         for shard in info.tar_files:
             jobs.append(ConvertJob(path=shard.path, src_root=shard.root,
                                    out_leaf=out_leaf or shard.root,
                                    copy=others if out_leaf is not None else ()))
-            paths.append(shard.path)
         if out_leaf is not None:
-            leaves.append((url, out_leaf, doc, paths))
+            leaves.append((url, out_leaf, doc))
     group = _ConvertGroup(modality, so)
     chunks = [jobs[i : i + shards_per_task] for i in range(0, len(jobs), shards_per_task)]
     results = [r for chunk in (executor or LocalExecutor()).map(group, chunks) for r in chunk]
@@ -459,7 +457,7 @@ def convert_pickles(
         report.add(r)
         if progress is not None:
             progress(r)
-    for url, out_leaf, doc, _ in leaves:
+    for url, out_leaf, doc in leaves:
         new = dict(doc)
         new["root"] = "."
         target = join_url(out_leaf, WDINFO_NAME)
