@@ -391,16 +391,18 @@ class TwinWriteReport:
             list(v) if isinstance(v, tuple) else v))
 
 
-def _leaf_value(bucket: Any, leaf: Any) -> str:
-    """Output leaf (relative folder) of a row."""
-    if bucket is not None:
-        b = str(bucket)
-        if not b:
-            return ""
-        if "/" in b or b in (".", ".."):
-            raise ConfigError(f"bucket column: expected a folder-safe bucket name like 16_9, "
-                              f"got {b!r}")
-        return bucket_dir(b)
+def _bucket_leaf(bucket: Any) -> str:
+    """Output leaf of a bucket value: ``aspect_ratio_<value>``; "" or null: the top folder."""
+    b = "" if bucket is None else str(bucket)
+    if not b:
+        return ""
+    if "/" in b or b in (".", ".."):
+        raise ConfigError(f"bucket column: expected a folder-safe bucket name like 16_9, "
+                          f"got {b!r}")
+    return bucket_dir(b)
+
+
+def _source_leaf(leaf: Any) -> str:
     text = "" if leaf is None else str(leaf)
     if text.startswith("/") or ".." in text.split("/"):
         raise ConfigError(f"{LEAF}: expected a relative folder, got {text!r}")
@@ -408,11 +410,12 @@ def _leaf_value(bucket: Any, leaf: Any) -> str:
 
 
 def _leaf_column(batch: pa.Table, bucket_column: str | None) -> list[str]:
-    n = batch.num_rows
-    buckets = (batch.column(bucket_column).to_pylist() if bucket_column else [None] * n)
-    leaves = batch.column(LEAF).to_pylist() if LEAF in batch.column_names else [""] * n
-    return [_leaf_value(b if bucket_column else None, lf)
-            for b, lf in zip(buckets, leaves, strict=True)]
+    """Output leaf (relative folder) per row: from ``bucket_column``, else ``__leaf__``."""
+    if bucket_column:
+        return [_bucket_leaf(b) for b in batch.column(bucket_column).to_pylist()]
+    if LEAF in batch.column_names:
+        return [_source_leaf(v) for v in batch.column(LEAF).to_pylist()]
+    return [""] * batch.num_rows
 
 
 @attrs.frozen

@@ -103,7 +103,9 @@ def test_rows_are_the_loader_rows_in_catalog_order(ray_local, buckets):
 
 def test_read_tasks_slice_or_group_shards(buckets):
     """override_num_blocks: slices of shards above the shard count, runs of shards below."""
-    from ray_ingest.dataset import TwinTarsDatasource, _Unit
+    import attrs
+
+    from ray_ingest.dataset import TwinTarsDatasource, _read_units, _schema, _Unit
     from ray_ingest.reader import ReadOptions
 
     shards = load_catalog(str(buckets)).shards
@@ -121,6 +123,15 @@ def test_read_tasks_slice_or_group_shards(buckets):
     source = TwinTarsDatasource(units, ["image"], ReadOptions(), num_blocks=3)
     metas = [t.metadata for t in source.get_read_tasks(3)]
     assert sum(m.num_rows for m in metas) == SAMPLES
+    # a wdinfo without per-shard counts: whole shards, read to the end
+    unknown = [attrs.evolve(u, count=None) for u in units]
+    tasks = TwinTarsDatasource(unknown, ["image"], ReadOptions(), num_blocks=SAMPLES)._tasks()
+    assert [[u.sid for u in t] for t in tasks] == [[i] for i in range(len(shards))]
+    schema = _schema(["image"], with_sid=False)
+    rows = [r for t in tasks for b in _read_units(t, ReadOptions(), 3, schema)
+            for r in b.to_pylist()]
+    assert [(r["__shard__"], r["__index__"]) for r in rows] == [
+        (shards[i].path, j) for i, j in everything]
 
 
 def test_keys_is_a_deprecated_alias_of_modalities(ray_local, buckets):
