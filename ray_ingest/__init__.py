@@ -2,7 +2,32 @@
 
 Pure layers (no Ray, no torch): :mod:`ray_ingest.catalog`, :mod:`ray_ingest.tario`,
 :mod:`ray_ingest.twin`, :mod:`ray_ingest.plan`. Ray lives only in :mod:`ray_ingest.source`,
-:mod:`ray_ingest.decode` and :mod:`ray_ingest.stream`.
+:mod:`ray_ingest.decode`, :mod:`ray_ingest.stream` and :mod:`ray_ingest.dataset`.
+
+``read_twin_tars`` and ``write_twin_tars`` (:mod:`ray_ingest.dataset`) are importable from
+here; they load Ray on first use, so ``import ray_ingest`` stays cheap.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["read_twin_tars", "write_twin_tars"]
+
+_LAZY = {"read_twin_tars": "ray_ingest.dataset", "write_twin_tars": "ray_ingest.dataset"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ray_ingest' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -16,7 +16,8 @@ How it works:
    ``aspect_ratio_W_H/`` leaves; each leaf numbers its shards from 0.
 4. Group into shards by size of the primary modality's file (``max_shard_size_mb``) or by
    count (``shard_size``), write them with :mod:`ray_ingest.writer` (thread pool, progress bar
-   on stderr) and write one wdinfo.json per leaf.
+   on stderr; or groups of shards as Ray tasks through an executor, :mod:`ray_ingest.tasks`)
+   and write one wdinfo.json per leaf.
 
 Every input file is accounted for: written, or dropped under its folder with a reason
 (:data:`REASONS`). Unlike PiD's sharder the order is deterministic and nothing is dropped
@@ -35,10 +36,12 @@ import attrs
 import fsspec
 
 from ray_ingest.errors import ConfigError, IngestError
+from ray_ingest.tasks import Executor
 from ray_ingest.writer import (
     ASPECT_RATIOS,
     DatasetReport,
     Members,
+    ShardInfo,
     ShardJob,
     aspect_bucket,
     bucket_dir,
@@ -79,6 +82,44 @@ class _Item:
 
     key: str
     files: tuple[tuple[str, str, str], ...]
+
+
+@attrs.frozen
+class _WriteGroup:
+    """Writes a list of shard jobs; returns their infos and the inputs dropped while reading.
+
+    Picklable, so an executor can run groups of shards as Ray tasks.
+    """
+
+    modalities: tuple[str, ...]
+    storage_options: dict[str, Any]
+    num_workers: int = 1
+    progress: bool | None = False
+
+    def __call__(self, jobs: Sequence[ShardJob]
+                 ) -> tuple[list[ShardInfo], dict[str, dict[str, int]]]:
+        so = self.storage_options
+        drops = DatasetReport()
+        lock = threading.Lock()
+
+        def load(item: _Item) -> tuple[str, Members] | None:
+            members: dict[str, tuple[str, bytes]] = {}
+            for folder, url, ext in item.files:
+                try:
+                    with fsspec.open(url, "rb", **so) as f:
+                        members[folder] = (ext, f.read())
+                except OSError:
+                    with lock:
+                        drops.drop(folder, UNREADABLE)
+                        for other, _, _ in item.files:
+                            if other != folder:
+                                drops.drop(other, OTHER_FOLDER)
+                    return None
+            return item.key, members
+
+        infos = write_jobs(jobs, self.modalities, load, num_workers=self.num_workers,
+                           progress=self.progress, storage_options=so)
+        return infos, drops.dropped
 
 
 def _basename(path: str) -> str:
@@ -177,6 +218,8 @@ def shard_folders(
     progress: bool | None = False,
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    executor: Executor | None = None,
+    shards_per_task: int = 1,
 ) -> DatasetReport:
     """Shard the modality subfolders of ``input_dir`` into a twin-tar dataset in ``output_dir``.
 
@@ -199,6 +242,10 @@ def shard_folders(
         progress: tqdm bar on stderr; None shows it only on a terminal.
         overwrite: replace an output folder that holds only a previously written dataset.
         storage_options: fsspec options for input and output.
+        executor: runs groups of ``shards_per_task`` shards as jobs, e.g.
+            :class:`~ray_ingest.tasks.RayExecutor` for one Ray task per group; None writes
+            here with ``num_workers`` threads. The output is byte-identical either way.
+        shards_per_task: shards per executor job.
 
     Returns:
         The :class:`~ray_ingest.writer.DatasetReport`, including ``dropped`` per folder/reason.
@@ -216,6 +263,8 @@ def shard_folders(
         raise ConfigError(f"max_file_size_mb: expected > 0, got {max_file_size_mb}")
     if num_workers < 1:
         raise ConfigError(f"num_workers: expected >= 1, got {num_workers}")
+    if shards_per_task < 1:
+        raise ConfigError(f"shards_per_task: expected >= 1, got {shards_per_task}")
     if limit is not None and limit < 0:
         raise ConfigError(f"limit: expected >= 0, got {limit}")
     if dataset_name is not None and (not dataset_name or "." in dataset_name or "/" in dataset_name):
@@ -333,27 +382,20 @@ def shard_folders(
         if bucket:
             leaf_bucket[leaf] = bucket
 
-    # 7. write
+    # 7. write (here, or one task per group of shards on an executor: same bytes either way)
     prepare_output(output_dir, overwrite=overwrite, storage_options=so)
-    lock = threading.Lock()
-
-    def load(item: _Item) -> tuple[str, Members] | None:
-        members: dict[str, tuple[str, bytes]] = {}
-        for folder, url, ext in item.files:
-            try:
-                with fsspec.open(url, "rb", **so) as f:
-                    members[folder] = (ext, f.read())
-            except OSError:
-                with lock:
-                    report.drop(folder, UNREADABLE)
-                    for other, _, _ in item.files:
-                        if other != folder:
-                            report.drop(other, OTHER_FOLDER)
-                return None
-        return item.key, members
-
-    infos = write_jobs(jobs, modalities, load, num_workers=num_workers, progress=progress,
-                       storage_options=so)
+    writer = _WriteGroup(tuple(modalities), so, num_workers=num_workers,
+                         progress=progress if executor is None else False)
+    if executor is None:
+        results = [writer(jobs)]
+    else:
+        results = executor.map(writer, [jobs[i : i + shards_per_task]
+                                        for i in range(0, len(jobs), shards_per_task)])
+    infos = [info for group_infos, _ in results for info in group_infos]
+    for _, dropped in results:
+        for folder, reasons in dropped.items():
+            for reason, n in reasons.items():
+                report.drop(folder, reason, n)
     if not infos:
         raise IngestError(f"{input_dir}: every sample failed to read; nothing written")
     finish_dataset(infos, modalities, report, chunk_size=shard_size, storage_options=so)

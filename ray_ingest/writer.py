@@ -12,6 +12,10 @@ always succeeds on what this module writes. Headers are written here (POSIX usta
 ``tarfile.TarInfo.tobuf``) with fixed metadata (mtime 0, uid/gid 0, mode 0644), so the same
 input gives byte-identical tars. All output goes through fsspec.
 
+Crash safety: a tar (and its key index) is written under ``<name>.partial`` and renamed to its
+final name only when complete, so a crashed or aborted write never leaves a partial tar under a
+final name. :func:`existing_shard` tells a re-run which shards are already complete.
+
 No Ray, no torch.
 """
 
@@ -31,7 +35,7 @@ import attrs
 import fsspec
 
 from ray_ingest.catalog import WDINFO_NAME, join_url
-from ray_ingest.errors import ConfigError
+from ray_ingest.errors import ConfigError, IngestError, TarFormatError
 from ray_ingest.tario import BLOCK, TarIndex, index_url, split_name
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,8 @@ RECORD_SIZE = tarfile.RECORDSIZE
 #: Fixed member metadata: byte-identical output for identical input.
 _MTIME = 0
 _MODE = 0o644
+#: Suffix of a file being written; renamed away when the file is complete.
+PARTIAL_SUFFIX = ".partial"
 
 #: One sample as handed to the writer: modality -> (extension, payload).
 Members = Mapping[str, tuple[str, bytes]]
@@ -101,6 +107,48 @@ def _open_write(url: str, storage_options: Mapping[str, Any] | None) -> BinaryIO
     return fs.open(path, "wb")
 
 
+def partial_url(url: str) -> str:
+    """Temporary name ``url`` is written under until it is complete."""
+    return url + PARTIAL_SUFFIX
+
+
+def _fs_path(url: str, storage_options: Mapping[str, Any] | None
+             ) -> tuple[fsspec.AbstractFileSystem, str]:
+    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+
+def rename_file(src: str, dst: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Move ``src`` over ``dst``: an atomic replace on a local disk; on object stores a
+    server-side copy then a delete (the object appears only once the copy is complete).
+
+    NOTE: not ``fs.mv`` there: gcsfs tries the ``moveTo`` API first, which emulators lack (its
+    retries then stall for minutes before the copy fallback).
+    """
+    fs, src_path = _fs_path(src, storage_options)
+    dst_path = _fs_path(dst, storage_options)[1]
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (list, tuple)) else fs.protocol
+    if protocol in ("file", "local"):
+        fs.mv(src_path, dst_path)
+        return
+    fs.copy(src_path, dst_path)
+    fs.rm(src_path)
+
+
+def _remove(url: str, storage_options: Mapping[str, Any] | None) -> None:
+    fs, path = _fs_path(url, storage_options)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def write_file_atomic(url: str, data: bytes,
+                      storage_options: Mapping[str, Any] | None = None) -> None:
+    """Write ``data`` to ``<url>.partial``, then rename it to ``url``."""
+    tmp = partial_url(url)
+    with _open_write(tmp, storage_options) as f:
+        f.write(data)
+    rename_file(tmp, url, storage_options)
+
+
 def _tar_header(name: str, size: int) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = size
@@ -136,8 +184,10 @@ class ShardInfo:
 class _TarStream:
     """One open output tar: writes headers and payloads, remembers the index."""
 
-    def __init__(self, url: str, f: BinaryIO):
+    def __init__(self, url: str, f: BinaryIO, target: str | None = None):
         self.url = url
+        #: Where the bytes go (``url`` itself, or its ``.partial`` name).
+        self.target = target or url
         self.f = f
         self.pos = 0
         self.names: list[str] = []
@@ -180,6 +230,10 @@ class ShardWriter:
         modalities: modality folder names; every sample must supply each of them.
         storage_options: fsspec options for the output filesystem.
         write_index: also write ``<tar>.idx.json`` per modality.
+        atomic: write every tar under ``<name>.partial`` and rename it when the shard is
+            complete (``close``): the final names never hold a partial tar, and an existing
+            tar (an in-place rewrite) stays intact until its replacement is complete. Abort
+            removes only the partial files.
     """
 
     def __init__(
@@ -190,6 +244,7 @@ class ShardWriter:
         *,
         storage_options: Mapping[str, Any] | None = None,
         write_index: bool = True,
+        atomic: bool = True,
     ):
         if not modalities:
             raise ConfigError("modalities: expected at least one, got none")
@@ -202,6 +257,7 @@ class ShardWriter:
         self.modalities = tuple(modalities)
         self.storage_options = dict(storage_options or {})
         self.write_index = write_index
+        self.atomic = atomic
         self._streams: dict[str, _TarStream] = {}
         self._keys: set[str] = set()
         self._info: ShardInfo | None = None
@@ -213,13 +269,29 @@ class ShardWriter:
     def open(self) -> ShardWriter:
         if self._streams or self._info is not None:
             raise ConfigError(f"shard {self.path}: writer already opened")
-        for m in self.modalities:
-            url = self.url(m)
-            self._streams[m] = _TarStream(url, _open_write(url, self.storage_options))
+        try:
+            for m in self.modalities:
+                url = self.url(m)
+                target = partial_url(url) if self.atomic else url
+                try:
+                    f = _open_write(target, self.storage_options)
+                except OSError as exc:
+                    raise IngestError(f"shard {self.path}: cannot create {target}: "
+                                      f"{type(exc).__name__}: {exc}") from None
+                self._streams[m] = _TarStream(url, f, target)
+        except BaseException:
+            self.abort()
+            raise
         return self
 
-    def add(self, key: str, members: Members) -> None:
-        """Append one sample; ``members`` maps every modality to ``(ext, payload)``."""
+    def add(self, key: str, members: Members, *,
+            member_names: Mapping[str, str] | None = None) -> None:
+        """Append one sample; ``members`` maps every modality to ``(ext, payload)``.
+
+        ``member_names`` optionally gives a modality's member name (default ``<key>.<ext>``); a reader
+        must derive ``key`` and ``ext`` from it (``a.b.npy`` is key ``a-b``), so rewriting a
+        tar can keep its member names.
+        """
         if not self._streams:
             raise ConfigError(f"shard {self.path}: writer is not open")
         check_key(key)
@@ -242,7 +314,13 @@ class ShardWriter:
                 raise ConfigError(
                     f"sample {key!r}: {m} payload must be bytes, got {type(data).__name__}"
                 )
-            names[m] = f"{key}.{ext}"
+            name = (member_names or {}).get(m, f"{key}.{ext}")
+            if name != f"{key}.{ext}" and split_name(name) != (key, ext.lower()):
+                raise ConfigError(
+                    f"sample {key!r}: {m} member name {name!r} does not give key {key!r} "
+                    f"and extension {ext!r}"
+                )
+            names[m] = name
         self._keys.add(key)
         for m in self.modalities:
             self._streams[m].add(names[m], bytes(members[m][1]))
@@ -254,25 +332,35 @@ class ShardWriter:
         if not self._streams:
             raise ConfigError(f"shard {self.path}: writer is not open")
         sizes: dict[str, int] = {}
+        indexes: dict[str, TarIndex] = {}
+        try:
+            for m, stream in self._streams.items():
+                indexes[m] = stream.finish()
+                sizes[m] = indexes[m].tar_size
+        except BaseException:
+            self.abort()
+            raise
         for m, stream in self._streams.items():
-            idx = stream.finish()
-            sizes[m] = idx.tar_size
+            so = self.storage_options
+            if self.atomic:
+                # A stale index must never describe the new tar: drop it before the rename.
+                _remove(index_url(stream.url), so)
+                rename_file(stream.target, stream.url, so)
             if self.write_index:
-                with _open_write(index_url(stream.url), self.storage_options) as f:
-                    f.write(idx.dumps().encode())
+                write_file_atomic(index_url(stream.url), indexes[m].dumps().encode(), so)
         self._info = ShardInfo(path=self.path, count=len(self._keys), bytes=sizes, leaf=self.leaf)
         self._streams = {}
         return self._info
 
     def abort(self) -> None:
-        """Close and delete whatever was written (best effort)."""
+        """Close and delete whatever was written (best effort). With ``atomic`` only the
+        ``.partial`` files are removed: a tar under its final name is never touched."""
         for stream in self._streams.values():
             try:
                 stream.f.close()
-                fs, fspath = fsspec.core.url_to_fs(stream.url, **self.storage_options)
-                fs.rm(fspath)
-            except OSError:
-                log.warning("could not remove partial tar %s", stream.url)
+                _remove(stream.target, self.storage_options)
+            except Exception:  # noqa: BLE001 - best effort; the original error matters
+                log.warning("could not remove partial tar %s", stream.target)
         self._streams = {}
 
     @property
@@ -289,6 +377,41 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def existing_shard(
+    leaf: str,
+    path: str,
+    expected: Mapping[str, Sequence[tuple[str, int]]],
+    storage_options: Mapping[str, Any] | None = None,
+) -> ShardInfo | None:
+    """The info of a shard already written with exactly the ``expected`` members, else None.
+
+    ``expected`` maps each modality to its ``(member name, payload size)`` list, in order. A
+    shard counts as written when every modality's key index lists those members and its tar
+    has the size the index recorded: :class:`ShardWriter` renames the tar before writing the
+    index, so that only holds once the whole tar is in place. Used to resume a write without
+    rewriting finished shards.
+    """
+    sizes: dict[str, int] = {}
+    count = None
+    for m, members in expected.items():
+        url = join_url(leaf, m, path)
+        fs, tar_path = _fs_path(url, storage_options)
+        try:
+            with fs.open(_fs_path(index_url(url), storage_options)[1], "rb") as f:
+                idx = TarIndex.from_dict(json.loads(f.read()), index_url(url))
+            tar_size = fs.size(tar_path)
+        except (FileNotFoundError, ValueError, TarFormatError):
+            return None
+        if (tar_size != idx.tar_size or list(idx.names) != [n for n, _ in members]
+                or list(idx.sizes) != [n for _, n in members]):
+            return None
+        sizes[m] = int(tar_size)
+        count = len(members)
+    if count is None:
+        return None
+    return ShardInfo(path=path, count=count, bytes=sizes, leaf=leaf)
 
 
 def write_shard(
@@ -352,8 +475,7 @@ def write_wdinfo(
         "root": ".",
     }
     url = join_url(leaf, WDINFO_NAME)
-    with _open_write(url, storage_options) as f:
-        f.write((json.dumps(doc, indent=2) + "\n").encode())
+    write_file_atomic(url, (json.dumps(doc, indent=2) + "\n").encode(), storage_options)
     return url
 
 
@@ -504,8 +626,8 @@ def prepare_output(out_dir: str, *, overwrite: bool = False,
     if not overwrite:
         raise ConfigError(f"{out_dir}: output folder is not empty (pass --overwrite to replace "
                           "a dataset written by ray-ingest)")
-    foreign = [p for p in files
-               if not (p.endswith(".tar") or p.endswith(".idx.json") or p.endswith(WDINFO_NAME))]
+    ours = (".tar", ".idx.json", WDINFO_NAME, PARTIAL_SUFFIX)
+    foreign = [p for p in files if not p.endswith(ours)]
     if foreign:
         raise ConfigError(f"{out_dir}: refusing to overwrite, it holds other files "
                           f"(e.g. {foreign[0]})")

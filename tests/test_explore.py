@@ -276,5 +276,17 @@ def test_notebook_executes(tmp_path, monkeypatch):
     assert "<table>" in _html(nb, "stats")
     pngs = [o for o in _outputs(nb, "plot") if "image/png" in o.get("data", {})]
     assert len(pngs) == 3
+    # read_twin_tars + a Ray aggregation: samples, mean and longest caption per bucket
+    rows = re.findall(r"<th>(\w+)</th>\s*<td>(\d+)</td>\s*<td>([\d.]+)</td>\s*<td>(\d+)</td>",
+                      _html(nb, "ray-agg"))
+    want: dict[str, list[int]] = {}
+    for i in range(NB_SYNTH["samples"]):
+        sp = sample_spec(0, i)
+        want.setdefault(aspect_bucket(sp.width, sp.height), []).append(
+            len(json.loads(make_caption(sp, 0))["prompt"]))
+    assert [r[0] for r in rows] == sorted(want)
+    for bucket, n, mean, longest in rows:
+        assert int(n) == len(want[bucket]) and int(longest) == max(want[bucket])
+        assert float(mean) == pytest.approx(sum(want[bucket]) / len(want[bucket]), abs=1e-5)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors

@@ -218,3 +218,30 @@ def test_no_usable_sample(tmp_path):
         shard_folders(str(tmp_path / "nope"), str(tmp_path / "out"))
     with pytest.raises(ConfigError, match="no modality subfolders"):
         shard_folders(str(tmp_path / "in" / "image"), str(tmp_path / "out"))
+
+
+@pytest.mark.ray
+def test_shard_ray_output_is_byte_identical(ray_local, tmp_path, capsys):
+    """`shard --ray` (Ray tasks, groups of shards) writes exactly what the local run writes,
+    and reports the same drops."""
+    from ray_ingest.cli.main import main
+
+    raw = make_raw(tmp_path / "in")
+    reports = {}
+    for flag in ("", "--ray"):
+        out = tmp_path / f"out{flag}"
+        args = ["shard", str(raw), str(out), "--shard-size", "2", "--part-size", "3",
+                "--classify-aspect-ratio", "--json"]
+        if flag:
+            args += [flag, "--shards-per-task", "2"]
+        assert main(args) == 0
+        report = json.loads(capsys.readouterr().out)
+        report["wdinfos"] = [Path(u).relative_to(out).as_posix() for u in report["wdinfos"]]
+        reports[flag] = (out, report)
+    (a, ra), (b, rb) = reports[""], reports["--ray"]
+    assert ra == rb and ra["samples"] == 10
+    files = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    assert any(f.endswith(".tar") for f in files)
+    _, mismatch, errors = filecmp.cmpfiles(a, b, files, shallow=False)
+    assert mismatch == errors == []

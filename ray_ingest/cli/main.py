@@ -15,7 +15,8 @@ import click
 from ray_ingest.errors import IngestError
 
 #: Subcommand modules, in help order. A module that fails to import is a bug, not bad input.
-SUBCOMMANDS = ("synth", "shard", "index", "info", "cat", "plan", "bench", "audit", "demo")
+SUBCOMMANDS = ("synth", "shard", "index", "convert", "info", "cat", "plan", "bench", "audit",
+               "demo")
 
 
 class _Group(click.Group):

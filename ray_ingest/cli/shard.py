@@ -32,18 +32,29 @@ from ray_ingest.shard import shard_folders
               help="Threads writing shards.")
 @click.option("--overwrite", is_flag=True,
               help="Replace OUTPUT_DIR if it holds only a dataset written by ray-ingest.")
+@click.option("--ray", "use_ray", is_flag=True,
+              help="Write the shards as Ray tasks on the cluster (RAY_ADDRESS or a local Ray).")
+@click.option("--shards-per-task", type=int, default=1, show_default=True,
+              help="With --ray: output shards written by one Ray task.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def command(input_dir: str, output_dir: str, max_shard_size_mb: float, shard_size: int | None,
             part_size: int, classify_aspect_ratio: bool, dataset_name: str | None,
             shuffle: bool, seed: int, limit: int | None, size_based_on: str | None,
-            max_file_size_mb: float, num_workers: int, overwrite: bool, as_json: bool) -> None:
+            max_file_size_mb: float, num_workers: int, overwrite: bool, use_ray: bool,
+            shards_per_task: int, as_json: bool) -> None:
     """Shard INPUT_DIR (one subfolder per modality, files keyed by stem) into OUTPUT_DIR."""
+    executor = None
+    if use_ray:
+        from ray_ingest.tasks import RayExecutor
+
+        executor = RayExecutor()
     report = shard_folders(
         input_dir, output_dir, max_shard_size_mb=max_shard_size_mb, shard_size=shard_size,
         part_size=part_size, classify_aspect_ratio=classify_aspect_ratio,
         dataset_name=dataset_name, shuffle=shuffle, seed=seed, limit=limit,
         size_based_on=size_based_on, max_file_size_mb=max_file_size_mb,
-        num_workers=num_workers, progress=None, overwrite=overwrite,
+        num_workers=num_workers, progress=None, overwrite=overwrite, executor=executor,
+        shards_per_task=shards_per_task,
     )
     if as_json:
         click.echo(json.dumps(report.to_dict()))
