@@ -41,10 +41,12 @@ UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
 CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
 #: Provenance columns carried through decode unchanged.
 PASSTHROUGH = ("__key__", "__shard__", "__index__", "__sid__", "__seq__", "__pad__", "__bucket__",
-               "__t_read__")
+               "__t_read__", "__read_node__")
 DECODE_TIME = "__t_decode__"
 ERROR = "__error__"
 ACTOR = "__actor__"
+#: Ray node id of the actor that decoded the row (reported by the actor itself).
+NODE = "__node__"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -97,14 +99,17 @@ class Decoder:
             for b in cfg.buckets
         }
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
+        self.actor_id, self.node_id = "local", "local"
         try:
             import ray
 
             # Only ask a running Ray: get_runtime_context() would start (or join) one.
-            self.actor_id = (ray.get_runtime_context().get_actor_id() or "driver"
-                             if ray.is_initialized() else "local")
+            if ray.is_initialized():
+                ctx = ray.get_runtime_context()
+                self.actor_id = ctx.get_actor_id() or "driver"
+                self.node_id = ctx.get_node_id()
         except Exception:  # outside Ray (tests, cat)
-            self.actor_id = "local"
+            pass
 
     def geometry(self, bucket: str) -> Geometry:
         if self.bucket_geoms:
@@ -227,4 +232,5 @@ class Decoder:
             out[cfg.embedding_key] = arr
         out[ERROR] = np.array(errors, dtype=object)
         out[ACTOR] = np.array([self.actor_id] * n, dtype=object)
+        out[NODE] = np.array([self.node_id] * n, dtype=object)
         return out

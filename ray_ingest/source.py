@@ -8,8 +8,8 @@ in lockstep and yields Arrow blocks of raw bytes plus provenance:
 ``__key__`` ``__shard__`` ``__index__`` (position in the shard), ``__sid__`` (shard number in
 the catalog), ``__seq__`` (position in the rank's stream, what the read state records),
 ``__pad__`` (planned duplicate), ``__bucket__`` (aspect bucket of the shard), ``__error__``
-(non-empty for a sample skipped under ``on_error=skip``), then one binary column and one
-extension column per modality.
+(non-empty for a sample skipped under ``on_error=skip``), ``__read_node__`` (Ray node id of the
+task that read it), then one binary column and one extension column per modality.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 #: Bytes assumed per sample before anything was measured (a 4K JPEG is ~2 MB, ours ~20 KB).
 DEFAULT_SAMPLE_BYTES = 256 * 1024
+READ_NODE = "__read_node__"
 
 
 @attrs.frozen(slots=True)
@@ -57,6 +58,7 @@ def _schema(modalities: Sequence[str]) -> pa.Schema:
         pa.field("__bucket__", pa.string()),
         pa.field("__error__", pa.string()),
         pa.field("__t_read__", pa.float64()),
+        pa.field(READ_NODE, pa.string()),
     ]
     for m in modalities:
         fields.append(pa.field(m, pa.binary()))
@@ -76,12 +78,14 @@ def read_item(
     names = schema.names
     cols: dict[str, list[Any]] = {n: [] for n in names}
     bucket = shard.bucket or ""
+    node = _node_id()
 
     clock = [time.perf_counter()]
 
     def flush() -> pa.Table:
         n = len(cols[KEY])
         cols["__t_read__"].extend([(time.perf_counter() - clock[0]) / max(n, 1)] * n)
+        cols[READ_NODE].extend([node] * n)
         table = pa.table({n: pa.array(cols[n], type=schema.field(n).type) for n in names},
                          schema=schema)
         for n in names:
@@ -124,6 +128,13 @@ def read_item(
                 yield flush()
     if cols[KEY]:
         yield flush()
+
+
+def _node_id() -> str:
+    """The Ray node this read runs on ("local" outside Ray: never starts or joins one)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
 def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -> IngestError:

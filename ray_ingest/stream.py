@@ -185,6 +185,10 @@ class IngestLoader:
         self.clock = StageClock()
         self.data_stats: list[str] = []
         self.actors_seen: set[str] = set()
+        #: Samples decoded / read per Ray node id, as reported by the decode actors and read
+        #: tasks themselves (``__node__`` / ``__read_node__`` columns).
+        self.decode_nodes: dict[str, int] = {}
+        self.read_nodes: dict[str, int] = {}
         #: Samples skipped under on_error=skip since this loader was built, by kind of failure.
         self.skips_by_kind: dict[str, int] = {}
         self.shard_bucket = bucket_of_shards(self.catalog, cfg.decode.buckets)
@@ -381,6 +385,8 @@ class IngestLoader:
                         break
                     if "__actor__" in block and len(block["__actor__"]):
                         self.actors_seen.update(set(block["__actor__"].tolist()))
+                    _count_nodes(self.decode_nodes, block.pop("__node__", None))
+                    _count_nodes(self.read_nodes, block.pop("__read_node__", None))
                     errors = block["__error__"]
                     bad = np.flatnonzero(errors != "") if len(errors) else np.array([], int)
                     if bad.size:
@@ -542,9 +548,17 @@ class IngestLoader:
     def metrics(self) -> dict[str, Any]:
         """Stage timings and counters collected so far (see docs/observability)."""
         return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
+                "decode_nodes": dict(self.decode_nodes), "read_nodes": dict(self.read_nodes),
                 "skips_in_epoch": len(self.state.skips),
                 "skips_total": sum(self.skips_by_kind.values()),
                 "skips_by_kind": dict(self.skips_by_kind)}
+
+
+def _count_nodes(counts: dict[str, int], nodes: np.ndarray | None) -> None:
+    if nodes is None or not len(nodes):
+        return
+    for node, n in zip(*np.unique(nodes.astype(str), return_counts=True), strict=True):
+        counts[str(node)] = counts.get(str(node), 0) + int(n)
 
 
 def _ingest_cause(exc: BaseException) -> IngestError | None:
