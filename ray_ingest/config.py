@@ -158,6 +158,10 @@ class LoaderConfig:
     #: Samples per read task and per Arrow block (strict alignment cuts shards into tasks of
     #: this size so decode overlaps reading; other modes read whole slices in such blocks).
     block_rows: int = attrs.field(default=64, validator=_at_least(1))
+    #: Upper bound on one decoded block (rows x H x W x 3 bytes): block_rows is lowered to fit,
+    #: down to one row, so (prefetch_batches + 1) blocks fit a small object store
+    #: (ray_ingest.sizing; docs/operations.md "Object-store sizing").
+    max_block_bytes: int = attrs.field(default=32 * 1024**2, validator=_at_least(1))
     #: Deterministic batch order (preserve_order). False trades determinism for throughput.
     ordered: bool = True
     #: Batches prefetched by the Ray iterator.

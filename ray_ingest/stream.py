@@ -43,6 +43,7 @@ from ray_ingest.plan.state import (
 )
 from ray_ingest.plan.topology import Topology
 from ray_ingest.reader import ReadOptions
+from ray_ingest.sizing import block_rows
 from ray_ingest.source import ReadItem
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,7 @@ class IngestLoader:
             read_kw["label_selector"] = dict(cfg.decode.label_selector)
             map_kw["label_selector"] = dict(cfg.decode.label_selector)
         source = TwinTarDatasource(self.catalog.shards, items, read_options(cfg),
-                                   block_rows=cfg.loader.block_rows, on_error=cfg.loader.on_error)
+                                   block_rows=block_rows(cfg), on_error=cfg.loader.on_error)
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
                                       override_num_blocks=max(1, len(items)), **read_kw)
@@ -311,7 +312,7 @@ class IngestLoader:
         consumed = gen.consumed[slot]
         done_batches = gen.batches[slot]
         items = read_items(stream, consumed,
-                           cfg.loader.block_rows if cfg.data.align == "strict" else None)
+                           block_rows(cfg) if cfg.data.align == "strict" else None)
         log.info("rank %d slot %d epoch %d: %d read tasks, %d/%d batches done",
                  topo.rank, slot, state.epoch, len(items), done_batches, total_batches)
         skips_epoch = len(state.skips)
