@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RAY_ADDRESS"):
             ray.init()
         else:
-            ray.init(num_cpus=args.num_cpus, include_dashboard=False,
+            # address="local": a bare ray.init() would join whatever cluster `ray start` (or a
+            # test's Cluster) last recorded in /tmp/ray/ray_current_cluster on this machine
+            ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
                      runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})
     try:
         catalog = load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
