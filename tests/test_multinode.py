@@ -72,8 +72,10 @@ def cluster():
 
 
 def decode_nodes(cluster: LoopbackCluster, n: int, object_store_memory: int = 128 * MB):
-    """Exactly ``n`` live decode nodes of the given store size (others removed gracefully)."""
-    keep = [i for i in cluster.alive("decode") if i.object_store_memory == object_store_memory]
+    """Exactly ``n`` live decode nodes of DECODE_CPUS CPUs and the given store size (others
+    removed gracefully)."""
+    keep = [i for i in cluster.alive("decode") if i.object_store_memory == object_store_memory
+            and i.num_cpus == DECODE_CPUS]
     for info in cluster.alive("decode"):
         if info not in keep[:n]:
             cluster.remove(info)
@@ -260,8 +262,9 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
                 events["join"].update(actors_after=len(loader.actors_seen),
                                       nodes_after=len(loader.decode_nodes), at_step=step,
                                       grown_until=time.monotonic())
-                # 8 CPUs: room for the actors of both nodes that go away below (a node that
-                # cannot be replaced stalls the ordered stream: see test_..._without_capacity)
+                # 8 CPUs: room for the actors of both nodes that go away below (a lost node
+                # whose actor cannot restart anywhere can stall the ordered stream: see
+                # docs/operations.md "Decode-node loss")
                 spare = cluster.add("decode", 2 * DECODE_CPUS)
                 ever_decode.add(spare.node_id)
                 drained = first
