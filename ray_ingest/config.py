@@ -171,6 +171,10 @@ class LoaderConfig:
     #: Skip budgets for on_error=skip (None: unlimited).
     max_skips_per_shard: int | None = attrs.field(default=16, validator=_opt_at_least(0))
     max_skips_per_epoch: int | None = attrs.field(default=1000, validator=_opt_at_least(0))
+    #: Fail (StallError) when the read/decode pipeline makes no progress this long, e.g. a lost
+    #: decode node whose actors cannot restart anywhere (None: Ray Data's default, 30 min).
+    #: Raise it if the train loop may not pull a batch for that long (huge checkpoints).
+    stall_timeout_s: float | None = attrs.field(default=900.0, validator=_opt_at_least(1))
     #: Honour PiD's WDS_START_INDEX / WDS_EPOCH_NUM as a starting point (pid seed mode only).
     pid_env: bool = False
 

@@ -33,3 +33,8 @@ class UnsafeFormatError(IngestError):
 
 class SkipBudgetExceeded(IngestError):
     """on_error=skip ran past its per-shard or per-epoch budget."""
+
+
+class StallError(IngestError):
+    """The read/decode pipeline made no progress for loader.stall_timeout_s (e.g. a decode node
+    was lost and its actors have nowhere to restart)."""

@@ -25,7 +25,13 @@ import numpy as np
 
 from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.config import Config
-from ray_ingest.errors import ConfigError, IngestError, SkipBudgetExceeded, StateError
+from ray_ingest.errors import (
+    ConfigError,
+    IngestError,
+    SkipBudgetExceeded,
+    StallError,
+    StateError,
+)
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.slices import ShardSlice, plan_epoch
 from ray_ingest.plan.state import (
@@ -264,6 +270,10 @@ class IngestLoader:
         ctx.max_errored_blocks = 0  # never drop data silently
         # Keep an IngestError's type and one-line message (not a UserCodeException wrapper).
         ctx.raise_original_map_exception = True
+        # A decode node lost with no room left for its actors' restarts stalls the (ordered)
+        # execution: Ray Data's no-progress guard turns that into an error (default 30 min).
+        if cfg.loader.stall_timeout_s is not None:
+            ctx.execution_no_progress_timeout_s = cfg.loader.stall_timeout_s
         read_kw: dict[str, Any] = {}
         map_kw: dict[str, Any] = {}
         if cfg.decode.label_selector:
@@ -378,6 +388,8 @@ class IngestLoader:
                     except Exception as exc:
                         cause = _ingest_cause(exc)
                         if cause is None:
+                            if type(exc).__name__ == "ExecutionTimeoutError":
+                                raise self._stalled(exc) from exc
                             raise
                         raise cause from None  # one line naming shard, index/key and reason
                     self.clock.wait += time.perf_counter() - t0
@@ -441,6 +453,16 @@ class IngestLoader:
             bucket = reservoir[0][0]
             yield deliver(self._pad([], 0, bsz, bucket, reservoir), bucket)
         self.state = next_epoch(self.state, topo, bsz)
+
+    def _stalled(self, exc: BaseException) -> StallError:
+        dc = self.cfg.decode
+        where = f"nodes with labels {dict(dc.label_selector)}" if dc.label_selector else "nodes"
+        return StallError(
+            f"rank {self.topology.rank} epoch {self.state.epoch}: the read/decode pipeline made "
+            f"no progress for loader.stall_timeout_s ({self.cfg.loader.stall_timeout_s} s); "
+            f"likely a decode node was lost and no {where} have room to restart its actors "
+            f"({dc.num_cpus} CPUs each): add decode capacity, or raise loader.stall_timeout_s "
+            f"if the train loop legitimately pauses that long")
 
     def _keep_data_stats(self, ds: Any) -> None:
         """Keep Ray Data's ``ds.stats()`` text of the finished epoch (``data_stats[-1]``)."""
