@@ -37,6 +37,7 @@ pytestmark = pytest.mark.multinode
 
 FIGURES: dict[str, dict] = {}
 TRAIN_NODES, DECODE_CPUS = 3, 4
+DRAIN_DEADLINE_S = 3.0  # notice a preempted decode node gets before it stops (GCP: 30 s)
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +205,34 @@ def test_placement_by_label_and_train_node_loss(cluster, tmp_path, monkeypatch):
 
 # --- 2. Decode nodes: one joins, one is drained, one is killed, all mid-epoch ------------------
 
-def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tmp_path):
-    """One decode node, then a second joins mid-epoch: the pool grows onto it. Then a spare joins,
-    a node that runs decode actors is drained (GCS DrainNode, reason preemption) and removed, and
-    another is SIGKILLed: the ordered stream goes on, and the ledger audits exactly-once."""
+def decode_actor_nodes() -> dict[str, str]:
+    """Live decode actors -> their node, from the GCS actor table."""
+    import ray
+
+    return {a["ActorID"]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+            if "MapBatches(Decoder)" in a["ActorClassName"] and a["State"] == "ALIVE"}
+
+
+@pytest.fixture
+def small_data_budget(cluster):
+    """Cap Ray Data's object-store budget (as docs/operations.md advises per rank), so the
+    pipeline cannot decode the whole epoch ahead while the consumer waits for a node."""
+    from ray.data import DataContext, ExecutionResources
+
+    options = DataContext.get_current().execution_options
+    saved = options.resource_limits
+    options.resource_limits = ExecutionResources(object_store_memory=24 * MB)
+    yield
+    options.resource_limits = saved
+
+
+def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tmp_path,
+                                                                    small_data_budget):
+    """One decode node with room for one actor of a pool that wants two; a second node joins
+    mid-epoch: the pool grows onto it. Then a spare joins, a node that runs a decode actor is
+    drained (GCS DrainNode, reason preemption) and stopped at the drain deadline, and another
+    is SIGKILLed without notice: the ordered stream goes on, and the ledger audits
+    exactly-once."""
     from ray_ingest.catalog import load_catalog
     from ray_ingest.config import config_from_dict
     from ray_ingest.plan.topology import Topology
@@ -222,7 +247,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
     # 4-CPU decode nodes, 2.5 CPUs per actor: one actor per node, room for 2 read tasks
     cfg = config_from_dict({
         "data": {"paths": [data]},
-        "decode": {"resolution": 224, "pool_min": 1, "pool_max": 3, "num_cpus": 2.5,
+        "decode": {"resolution": 224, "pool_min": 2, "pool_max": 3, "num_cpus": 2.5,
                    "label_selector": {"pool": "cpu-decode"}},
         "loader": {"batch_size": 16, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 16,
                    "prefetch_batches": 1, "seed": 1},
@@ -256,6 +281,16 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
                 joined = cluster.add("decode", DECODE_CPUS)
                 ever_decode.add(joined.node_id)
                 events["join"]["start_s"] = time.monotonic() - events["join"]["t"]
+                events["join"]["actors_on_nodes_before"] = len(set(decode_actor_nodes()
+                                                                   .values()))
+                # the pool's pending actor lands on the new node (GCS actor table)
+                deadline = time.monotonic() + 120
+                while (joined.node_id not in decode_actor_nodes().values()
+                       and time.monotonic() < deadline):
+                    time.sleep(0.1)
+                events["join"]["actor_up_s"] = time.monotonic() - events["join"]["t"]
+                events["join"]["actor_nodes_after"] = sorted(
+                    n[:12] for n in set(decode_actor_nodes().values()))
             elif (joined and drained is None
                   and loader.decode_nodes.get(joined.node_id, 0) >= 2 * 16):
                 # the pool grew onto the new node; a spare joins, the first node is drained
@@ -268,14 +303,14 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
                 spare = cluster.add("decode", 2 * DECODE_CPUS)
                 ever_decode.add(spare.node_id)
                 drained = first
-                events["drain"] = {"t": cluster.drain(drained), "at_step": step,
-                                   "node": drained.node_id[:12]}
-            elif drained is not None and "remove" not in events and step >= \
-                    events["drain"]["at_step"] + 3:
-                events["remove"] = {"t": time.monotonic(), "at_step": step}
-                cluster.remove(drained)  # the drain deadline passed: the VM goes away
-            elif "remove" in events and "kill" not in events and step >= \
-                    events["remove"]["at_step"] + 6:
+                events["drain"] = {"t": cluster.drain(drained, deadline_s=DRAIN_DEADLINE_S),
+                                   "at_step": step, "node": drained.node_id[:12]}
+            elif (drained is not None and "preempt" not in events
+                  and time.monotonic() >= events["drain"]["t"] + DRAIN_DEADLINE_S):
+                # the drain deadline passed: the preempted VM stops (no graceful shutdown)
+                events["preempt"] = {"at_step": step, "t": cluster.kill(drained)}
+            elif "preempt" in events and "kill" not in events and step >= \
+                    events["preempt"]["at_step"] + 6:
                 victim = joined  # runs a decode actor (it decoded since it joined)
                 events["kill"] = {"node": victim.node_id[:12], "at_step": step,
                                   "t": cluster.kill(victim)}
@@ -313,6 +348,9 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
         "actors_before_join": events["join"]["actors_before"],
         "actors_after_join": events["join"]["actors_after"],
         "node_start_s": round(events["join"]["start_s"], 2),
+        "actor_on_new_node_after_s": round(events["join"]["actor_up_s"], 2),
+        "actor_nodes_before_join (GCS)": events["join"]["actors_on_nodes_before"],
+        "actor_nodes_after_join (GCS)": events["join"]["actor_nodes_after"],
         "first_batch_from_new_node_s": round(grown - t_join_done, 2),
         "samples_per_s_before_join": round(rate(log[0][0], events["join"]["t"]), 1),
         "samples_per_s_grown": round(rate(grown, events["join"]["grown_until"]), 1),
