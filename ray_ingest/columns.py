@@ -33,11 +33,15 @@ BYTES = "__bytes__"
 T_DECODE = "__t_decode__"
 #: Id of the decode actor that produced the row (observed pool size).
 ACTOR = "__actor__"
+#: Ray node id of the decode actor that produced the row (reported by the actor itself).
+NODE = "__node__"
+#: Ray node id of the task that read the row.
+READ_NODE = "__read_node__"
 
 #: Provenance carried unchanged from the read stage through decode to the batcher.
 PROVENANCE = (KEY, SHARD, INDEX, SID, SEQ, EPOCH, PAD, BUCKET)
 #: Bookkeeping dropped before a batch is assembled.
-BOOKKEEPING = (ERROR, T_READ, BYTES, T_DECODE, ACTOR)
+BOOKKEEPING = (ERROR, T_READ, BYTES, T_DECODE, ACTOR, NODE, READ_NODE)
 
 
 def ext_column(modality: str) -> str:

@@ -182,6 +182,10 @@ class LoaderConfig(PlanSettings):
     #: Samples per read task and per Arrow block (strict alignment cuts shards into tasks of
     #: this size so decode overlaps reading; other modes read whole slices in such blocks).
     block_rows: int = attrs.field(default=64, validator=_at_least(1))
+    #: Upper bound on one decoded block (rows x H x W x 3 bytes): block_rows is lowered to fit,
+    #: down to one row, so (prefetch_batches + 1) blocks fit a small object store
+    #: (ray_ingest.sizing; docs/operations.md "Object-store sizing").
+    max_block_bytes: int = attrs.field(default=32 * 1024**2, validator=_at_least(1))
     #: Deterministic batch order (preserve_order). False trades determinism for throughput.
     ordered: bool = True
     #: Batches prefetched by the Ray iterator.
@@ -201,6 +205,10 @@ class LoaderConfig(PlanSettings):
     #: Skip budgets for on_error=skip (None: unlimited).
     max_skips_per_shard: int | None = attrs.field(default=16, validator=_opt_at_least(0))
     max_skips_per_epoch: int | None = attrs.field(default=1000, validator=_opt_at_least(0))
+    #: Fail (StallError) when the train loop waits this long for the next decoded block, e.g.
+    #: a lost decode node whose actors cannot restart anywhere (None: wait forever). Only time
+    #: spent waiting counts: pauses of the train loop (checkpoints, validation) never trip it.
+    stall_timeout_s: float | None = attrs.field(default=900.0, validator=_opt_at_least(1))
     #: Honour PiD's WDS_START_INDEX / WDS_EPOCH_NUM as a starting point (pid seed mode only).
     pid_env: bool = False
 

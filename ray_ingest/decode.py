@@ -38,7 +38,9 @@ from ray_ingest.columns import (
     ERROR,
     INDEX,
     KEY,
+    NODE,
     PROVENANCE,
+    READ_NODE,
     SHARD,
     SID,
     T_DECODE,
@@ -54,7 +56,7 @@ IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp"
 UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
 CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
 #: Columns carried through decode unchanged.
-PASSTHROUGH = (*PROVENANCE, T_READ, BYTES)
+PASSTHROUGH = (*PROVENANCE, T_READ, BYTES, READ_NODE)
 DECODE_TIME = T_DECODE
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -109,14 +111,17 @@ class Decoder:
             for b in cfg.buckets
         }
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
+        self.actor_id, self.node_id = "local", "local"
         try:
             import ray
 
             # Only ask a running Ray: get_runtime_context() would start (or join) one.
-            self.actor_id = (ray.get_runtime_context().get_actor_id() or "driver"
-                             if ray.is_initialized() else "local")
+            if ray.is_initialized():
+                ctx = ray.get_runtime_context()
+                self.actor_id = ctx.get_actor_id() or "driver"
+                self.node_id = ctx.get_node_id()
         except Exception:  # outside Ray (tests, cat)
-            self.actor_id = "local"
+            pass
 
     def geometry(self, bucket: str) -> Geometry:
         if self.bucket_geoms:
@@ -241,4 +246,5 @@ class Decoder:
             out[cfg.embedding_key] = arr
         out[ERROR] = np.array(errors, dtype=object)
         out[ACTOR] = np.array([self.actor_id] * n, dtype=object)
+        out[NODE] = np.array([self.node_id] * n, dtype=object)
         return out

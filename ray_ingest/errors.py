@@ -37,3 +37,8 @@ class SkipBudgetExceeded(IngestError):
 
 class OversizedMemberError(IngestError):
     """A tar member's header declares more bytes than the size limit; its payload was not read."""
+
+
+class StallError(IngestError):
+    """The read/decode pipeline made no progress for loader.stall_timeout_s (e.g. a decode node
+    was lost and its actors have nowhere to restart)."""

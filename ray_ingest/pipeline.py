@@ -25,10 +25,12 @@ from ray.data._internal.execution.interfaces import ExecutionResources
 from ray_ingest.catalog import Catalog
 from ray_ingest.config import Config
 from ray_ingest.decode import Decoder
-from ray_ingest.errors import IngestError
+from ray_ingest.errors import IngestError, StallError
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import read_options
+from ray_ingest.sizing import block_rows
 from ray_ingest.source import TwinTarDatasource
+from ray_ingest.window import Handoff
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ def execution_context(cfg: Config, world_size: int = 1) -> DataContext:
     ctx.max_errored_blocks = 0  # never drop data silently
     # Keep an IngestError's type and one-line message (not a UserCodeException wrapper).
     ctx.raise_original_map_exception = True
+    # Ray's no-progress guard also fires when the train loop merely pauses (a full buffer is no
+    # progress to it); Execution bounds the time spent waiting instead (loader.stall_timeout_s).
+    ctx.execution_no_progress_timeout_s = -1
     limits = rank_limits(cfg, world_size)
     if limits is not None:
         ctx.execution_options.resource_limits = limits
@@ -132,7 +137,7 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
         map_kw["label_selector"] = dict(cfg.decode.label_selector)
     with _current(execution_context(cfg, world_size)):
         source = TwinTarDatasource(catalog.shards, items, read_options(cfg),
-                                   block_rows=cfg.loader.block_rows,
+                                   block_rows=block_rows(cfg),
                                    on_error=cfg.loader.on_error, metric_tags=metric_tags)
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
@@ -153,29 +158,45 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
 
 
 class Execution:
-    """One running execution: iterate :meth:`blocks`, then :meth:`close` (also when abandoned)."""
+    """One running execution: iterate :meth:`blocks`, then :meth:`close` (also when abandoned).
+
+    Blocks come through a :class:`~ray_ingest.window.Handoff`, so a wait is bounded: no block
+    within ``loader.stall_timeout_s`` of *waiting* raises :class:`~ray_ingest.errors.StallError`.
+    Pauses of the train loop never count, unlike Ray Data's no-progress guard, which this
+    replaces (a stopped consumer is "no progress" to it).
+    """
 
     def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
-                 world_size: int = 1, metric_tags: dict[str, str] | None = None):
+                 world_size: int = 1, metric_tags: dict[str, str] | None = None,
+                 rank: int = 0):
+        self.cfg, self.rank = cfg, rank
         self._ds = build_dataset(cfg, catalog, items, world_size, metric_tags)
-        self._it = iter(self._ds.iter_batches(batch_size=None, batch_format="numpy",
-                                              prefetch_batches=cfg.loader.prefetch_batches))
+        it = iter(self._ds.iter_batches(batch_size=None, batch_format="numpy",
+                                        prefetch_batches=cfg.loader.prefetch_batches))
+        self._handoff = Handoff(it, cfg.loader.stall_timeout_s, self._stalled)
         self.finished = False
 
     def blocks(self) -> Iterator[dict[str, np.ndarray]]:
         """Decoded column blocks in stream order; read/decode errors as one-line IngestErrors."""
-        while True:
-            try:
-                block = next(self._it, None)
-            except Exception as exc:
-                cause = ingest_cause(exc)
-                if cause is None:
-                    raise
-                raise cause from None  # one line naming shard, index/key and reason
-            if block is None:
-                self.finished = True
-                return
-            yield block
+        try:
+            yield from self._handoff
+        except StallError:
+            raise
+        except Exception as exc:  # RayTaskError(IngestError) subclasses both: unwrap always
+            cause = ingest_cause(exc)
+            if cause is None:
+                raise
+            raise cause from None  # one line naming shard, index/key and reason
+        self.finished = True
+
+    def _stalled(self, timeout: float) -> StallError:
+        dc = self.cfg.decode
+        where = f"nodes with labels {dict(dc.label_selector)}" if dc.label_selector else "nodes"
+        return StallError(
+            f"rank {self.rank}: no decoded block for loader.stall_timeout_s ({timeout:g} s) of "
+            f"waiting; likely a decode node was lost and no {where} have room to restart its "
+            f"actors ({dc.num_cpus} CPUs each), or no node matches: add decode capacity, or "
+            f"raise loader.stall_timeout_s")
 
     def stats(self) -> str | None:
         """Ray Data's ``ds.stats()`` of a finished execution (None when unavailable)."""
@@ -187,9 +208,7 @@ class Execution:
 
     def close(self) -> None:
         """Stop the execution (an abandoned one would keep reading and decoding)."""
-        close = getattr(self._it, "close", None)
-        if close is not None:
-            close()
+        self._handoff.close()
 
 
 def ingest_cause(exc: BaseException) -> IngestError | None:

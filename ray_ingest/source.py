@@ -12,7 +12,7 @@ shard), ``__error__`` (non-empty for a sample skipped under ``on_error=skip``), 
 (member payload bytes read for the sample, summed per rank by the loader), then one binary
 column and one extension column per modality (:mod:`ray_ingest.columns`). Bytes read and remote
 retries are also recorded as Ray metrics (:mod:`ray_ingest.metrics`) under the tags of the
-loader that planned the read.
+loader that planned the read. ``__read_node__`` is the Ray node id of the task that read it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ray_ingest.columns import (
     INDEX,
     KEY,
     PAD,
+    READ_NODE,
     SEQ,
     SHARD,
     SID,
@@ -67,6 +68,7 @@ def _schema(modalities: Sequence[str]) -> pa.Schema:
         pa.field(ERROR, pa.string()),
         pa.field(T_READ, pa.float64()),
         pa.field(BYTES, pa.int64()),
+        pa.field(READ_NODE, pa.string()),
     ]
     for m in modalities:
         fields.append(pa.field(m, pa.binary()))
@@ -93,6 +95,7 @@ def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: 
     names = schema.names
     cols: dict[str, list[Any]] = {n: [] for n in names}
     bucket = shard.bucket or ""
+    node = _node_id()
 
     clock = [time.perf_counter()]
 
@@ -100,6 +103,7 @@ def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: 
         n = len(cols[KEY])
         cols[T_READ].extend([(time.perf_counter() - clock[0]) / max(n, 1)] * n)
         metrics.on_bytes_read(sum(cols[BYTES]))
+        cols[READ_NODE].extend([node] * n)
         table = pa.table({n: pa.array(cols[n], type=schema.field(n).type) for n in names},
                          schema=schema)
         for n in names:
@@ -155,6 +159,13 @@ def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: 
 def _reason(exc: BaseException) -> str:
     """Skip reason of a read failure, as the read state records it."""
     return f"read: {type(exc).__name__}: {exc}".replace("\n", " ")
+
+
+def _node_id() -> str:
+    """The Ray node this read runs on ("local" outside Ray: never starts or joins one)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
 def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -> IngestError:

@@ -28,7 +28,7 @@ from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.checkpoint import STATE_DIR, state_file
 from ray_ingest.clock import StageClock
 from ray_ingest.collate import Batch, to_batch
-from ray_ingest.columns import ACTOR, BYTES, ERROR, SEQ, T_DECODE, T_READ
+from ray_ingest.columns import ACTOR, BYTES, ERROR, NODE, READ_NODE, SEQ, T_DECODE, T_READ
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
 from ray_ingest.metrics import LoaderMetrics
@@ -37,6 +37,7 @@ from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window
 from ray_ingest.plan.state import ReadState, initial_state, with_topology
 from ray_ingest.plan.topology import Topology
 from ray_ingest.progress import Progress
+from ray_ingest.sizing import block_rows
 from ray_ingest.skips import SkipFilter
 from ray_ingest.window import EpochWindow, Execution
 
@@ -106,6 +107,10 @@ class IngestLoader:
         self.actors_seen: set[str] = set()
         #: Executions started by this loader (one per window of epochs).
         self.executions = 0
+        #: Samples decoded / read per Ray node id, as reported by the decode actors and read
+        #: tasks themselves (``__node__`` / ``__read_node__``).
+        self.decode_nodes: dict[str, int] = {}
+        self.read_nodes: dict[str, int] = {}
 
     @property
     def state(self) -> ReadState:
@@ -142,7 +147,7 @@ class IngestLoader:
             last = num_epochs if (lc.ordered or strict) else self.state.epoch + 1
             plans = plan_window(self.state, self.topology, self.counts, self.catalog.chunk_size,
                                 lc.batch_size, last, shard_bucket=self.shard_bucket,
-                                block_rows=lc.block_rows if strict else None,
+                                block_rows=block_rows(self.cfg) if strict else None,
                                 max_items=lc.max_planned_items)
             # The window lives while this generator or an epoch's batches refer to it.
             window = EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
@@ -189,6 +194,8 @@ class IngestLoader:
             ids = actors.tolist()
             self.actors_seen.update(ids)
             self.recorder.on_actors(ids)
+        _count_nodes(self.decode_nodes, block.pop(NODE, None))
+        _count_nodes(self.read_nodes, block.pop(READ_NODE, None))
         sizes = block.pop(BYTES, None)
         if sizes is not None:
             self.clock.bytes_read += int(sizes.sum())
@@ -217,7 +224,7 @@ class IngestLoader:
         from ray_ingest.pipeline import Execution
 
         return Execution(self.cfg, self.catalog, items, self.topology.world_size,
-                         self.recorder.tags)
+                         self.recorder.tags, self.topology.rank)
 
     def _keep_stats(self, stats: str) -> None:
         self.data_stats.append(stats)
@@ -232,6 +239,14 @@ class IngestLoader:
         """Stage timings and counters collected so far (see docs/observability)."""
         return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
                 "executions": self.executions,
+                "decode_nodes": dict(self.decode_nodes), "read_nodes": dict(self.read_nodes),
                 "skips_in_epoch": len(self.state.skips),
                 "skips_total": sum(self.skips_by_kind.values()),
                 "skips_by_kind": dict(self.skips_by_kind)}
+
+
+def _count_nodes(counts: dict[str, int], nodes: np.ndarray | None) -> None:
+    if nodes is None or not len(nodes):
+        return
+    for node, n in zip(*np.unique(nodes.astype(str), return_counts=True), strict=True):
+        counts[str(node)] = counts.get(str(node), 0) + int(n)

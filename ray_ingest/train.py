@@ -114,6 +114,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     topo = Topology(world_size=world, rank=rank, num_workers=cfg.loader.read_workers,
                     group_size=cfg.train.group_size)
     device = ray.train.torch.get_device()
+    node_id = ray.get_runtime_context().get_node_id()  # where this worker runs (placement)
     torch.manual_seed(cfg.loader.seed)
     model = build_model()
 
@@ -144,7 +145,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         _ledger_append(ledger, {"event": "start", "attempt": _ledger_attempt(audit_dir, rank, device),
                                 "rank": rank, "world": world,
                                 "slot": topo.slot, "resume_step": global_step,
-                                "epoch": loader.state.epoch})
+                                "epoch": loader.state.epoch, "node": node_id})
     fail_at = config.get("fail_at_step")
     fail_marker = config.get("fail_marker")
 
@@ -214,8 +215,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if last:
                 break
         if ledger and loader.state.epoch > epoch:
+            # decode/read nodes: samples per Ray node id, as reported by the decode actors and
+            # read tasks themselves, since this worker (re)started (placement provenance)
             _ledger_append(ledger, {"event": "epoch_end", "epoch": epoch, "rank": rank,
-                                    "step": global_step})
+                                    "step": global_step, "node": node_id,
+                                    "decode_nodes": dict(loader.decode_nodes),
+                                    "read_nodes": dict(loader.read_nodes)})
         if max_steps is not None and global_step >= max_steps:
             break
     elapsed = time.perf_counter() - t_start
@@ -223,6 +228,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                "samples_per_s": loader.clock.samples / elapsed if elapsed else 0.0,
                "data_wait_frac": loader.clock.wait / elapsed if elapsed else 0.0,
                "first_loss": losses[0] if losses else None, "actors_seen": len(loader.actors_seen),
+               "decode_nodes": dict(loader.decode_nodes), "read_nodes": dict(loader.read_nodes),
+               "train_node": node_id,
                "stages": loader.stage_breakdown(elapsed)}
     if rank == 0:
         _say(f"[train] done: {json.dumps(summary)}")

@@ -8,6 +8,8 @@ delivery) wait for their epoch. No Ray, no torch: the execution is opened by a c
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -133,3 +135,72 @@ def split_by_epoch(block: Block) -> list[tuple[int, Block]]:
         idx = np.flatnonzero(epochs == e)
         out.append((int(e), {k: v[idx] for k, v in block.items()}))
     return out
+
+
+class Handoff:
+    """Pulls items from ``source`` in a helper thread, one per request, so waits can be bounded.
+
+    A synchronous hand-off: the helper calls ``next(source)`` only when the consumer asks, so
+    nothing is buffered beyond what ``source`` itself prefetches, and only time the consumer
+    spends *waiting* counts toward ``timeout_s`` (a consumer that pauses never trips it).
+    Exceptions raised by ``source`` re-raise in the consumer. :meth:`close` closes ``source`` in
+    the helper thread (a generator must be closed by the thread that runs it).
+
+    Args:
+        source: the iterator to pull from (a generator is closed on :meth:`close`).
+        timeout_s: longest wait for one item (None: forever).
+        on_stall: builds the exception raised when a wait exceeds ``timeout_s``.
+    """
+
+    def __init__(self, source: Iterator[Any], timeout_s: float | None,
+                 on_stall: Callable[[float], BaseException]):
+        self._source, self._timeout, self._on_stall = source, timeout_s, on_stall
+        self._want: queue.Queue[bool] = queue.Queue()
+        self._got: queue.Queue[tuple[bool, Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._pump, name="ray_ingest-handoff",
+                                            daemon=True)
+            self._thread.start()
+        while True:
+            self._want.put(True)
+            try:
+                ok, value = self._got.get(timeout=self._timeout)
+            except queue.Empty:
+                raise self._on_stall(self._timeout) from None
+            if not ok:
+                raise value
+            if value is _END:
+                return
+            yield value
+
+    def _pump(self) -> None:
+        try:
+            while self._want.get():
+                try:
+                    value = next(self._source, _END)
+                except BaseException as exc:  # handed to the consumer's thread
+                    self._got.put((False, exc))
+                    return
+                self._got.put((True, value))
+                if value is _END:
+                    return
+        finally:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
+
+    def close(self, join_s: float = 10.0) -> None:
+        """Stop pulling and close ``source`` (at once when the helper is idle)."""
+        if self._thread is None:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
+            return
+        self._want.put(False)
+        self._thread.join(timeout=join_s)
+
+
+_END = object()

@@ -14,29 +14,44 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 pytest_plugins = ("tests.fixtures_gcs",)
 
 
+def _order(item) -> int:
+    if item.get_closest_marker("cluster"):
+        return 0
+    return 1 if item.get_closest_marker("multinode") else 2
+
+
 def pytest_collection_modifyitems(config, items):
     """Run `cluster` tests (own `ray start`/`ray stop`) before anything starts the session Ray:
-    `ray stop` ends every Ray process on the machine."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("cluster") else 1)
+    `ray stop` ends every Ray process on the machine. Then `multinode` tests, whose driver is
+    this process connected to a private multi-node cluster (one ray.init per process), so that
+    they normally never meet the session Ray (tests/test_multinode.py restores it otherwise)."""
+    items.sort(key=_order)
+
+
+def init_local_ray():
+    """The session's local Ray (logical CPUs > cores avoids Data/Train deadlocks)."""
+    import ray
+
+    ray.init(
+        address="local",  # a private instance even when `ray start` runs on this machine
+        num_cpus=8,
+        include_dashboard=False,
+        object_store_memory=768 * 1024**2,
+        runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+                                  "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}},
+        log_to_driver=False,
+    )
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.execution_options.verbose_progress = False
 
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the whole session (logical CPUs > cores avoids Data/Train deadlocks)."""
+    """One local Ray for the whole session."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            address="local",  # a private instance even when `ray start` runs on this machine
-            num_cpus=8,
-            include_dashboard=False,
-            object_store_memory=768 * 1024**2,
-            runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-                                      "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}},
-            log_to_driver=False,
-        )
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        ctx.execution_options.verbose_progress = False
+        init_local_ray()
     yield ray
     ray.shutdown()

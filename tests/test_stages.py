@@ -339,3 +339,70 @@ def test_rows_of_one_execution_are_handed_out_epoch_by_epoch(exact, ordered):
     window.close()
     assert execution.closed
     assert stats == ["stats"]  # the execution's end is observed after the window's last epoch
+
+
+# --- bounded waits (the stall watchdog of an execution) ----------------------------------
+
+
+class _Stalled(Exception):
+    pass
+
+
+def _handoff(source, timeout):
+    from ray_ingest.window import Handoff
+
+    return Handoff(source, timeout, lambda t: _Stalled(f"waited {t} s"))
+
+
+def test_handoff_raises_when_a_wait_exceeds_the_timeout():
+    import threading
+
+    release = threading.Event()
+
+    def source():
+        yield 1
+        release.wait(10)  # a pipeline that stopped producing
+        yield 2
+
+    it = iter(_handoff(source(), 0.3))
+    assert next(it) == 1
+    with pytest.raises(_Stalled, match="waited 0.3 s"):
+        next(it)
+    release.set()
+
+
+def test_handoff_pauses_of_the_consumer_never_count():
+    import time
+
+    h = _handoff(iter(range(4)), 0.2)
+    got = []
+    for x in h:
+        got.append(x)
+        time.sleep(0.4)  # the train loop pauses longer than the timeout
+    assert got == [0, 1, 2, 3]
+
+
+def test_handoff_passes_errors_and_closes_the_source_in_its_thread():
+    import threading
+
+    closed = []
+
+    def source():
+        try:
+            yield 1
+            yield 2
+        finally:
+            closed.append(threading.current_thread().name)
+
+    h = _handoff(source(), 5)
+    it = iter(h)
+    assert next(it) == 1
+    h.close()
+    assert closed == ["ray_ingest-handoff"]
+
+    def failing():
+        yield 1
+        raise ValueError("bad shard")
+
+    with pytest.raises(ValueError, match="bad shard"):
+        list(_handoff(failing(), 5))

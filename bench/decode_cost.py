@@ -1,0 +1,68 @@
+"""Per-sample decode cost of the Decoder (JPEG decode + resize/crop) on one core, by resolution.
+
+The figure behind decode sizing (docs/operations.md "Sizing the decode pool"): decode CPUs for a
+target rate R samples/s are ``R × cost_s``, per GPU ``R_gpu × cost_s``. Runs the real
+:class:`ray_ingest.decode.Decoder` in this process (no Ray), on synthetic JPEGs
+(``ray_ingest.synth.make_image``: gradients plus noise blocks, quality 90; natural photos of the
+same size usually cost more to entropy-decode, so treat the figures as a lower bound).
+
+    .venv/bin/python bench/decode_cost.py [--images 8] [--repetitions 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ray_ingest.config import DecodeConfig
+from ray_ingest.decode import Decoder
+from ray_ingest.synth import SampleSpec, make_image
+from ray_ingest.twin import ext_column
+
+#: (label, source width, source height, resolution, bucket): output = bucket shape at area res².
+CASES = (
+    ("512x384 -> 256x256", 512, 384, 256, None),
+    ("1920x1080 -> 1024x1024", 1920, 1080, 1024, None),
+    ("1920x1080 -> 16:9 at res 1024 (1368x768)", 1920, 1080, 1024, "16:9"),
+    ("3840x2160 -> 16:9 at res 2880 (3840x2160)", 3840, 2160, 2880, "16:9"),
+    ("3840x2160 -> 16:9 at res 3840 (5120x2880)", 3840, 2160, 3840, "16:9"),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=int, default=8, help="distinct images per case")
+    p.add_argument("--repetitions", type=int, default=3, help="timed passes (median kept)")
+    args = p.parse_args(argv)
+    print("command:", shlex.join([sys.executable, *sys.argv]))
+    for label, w, h, res, bucket in CASES:
+        images = [make_image(SampleSpec(f"s{i}", i, w, h, (16, 9), 0), seed=i)
+                  for i in range(args.images)]
+        cfg = DecodeConfig(resolution=res, buckets=(bucket,) if bucket else (), caption_key=None,
+                           max_image_pixels=10**9)
+        dec = Decoder(cfg)
+        rows = [{"image": data, ext_column("image"): "jpg", "__sid__": 0, "__index__": i,
+                 "__bucket__": bucket.replace(":", "_") if bucket else ""}
+                for i, data in enumerate(images)]
+        dec.decode_row(rows[0])  # warm-up
+        times = []
+        for _ in range(args.repetitions):
+            t0 = time.perf_counter()
+            for row in rows:
+                out = dec.decode_row(row)
+            times.append((time.perf_counter() - t0) / len(rows))
+        cost = statistics.median(times)
+        shape = out["image"].shape
+        print(f"{label:45s} out {shape[1]}x{shape[0]}  {cost * 1000:7.1f} ms/sample  "
+              f"{1 / cost:7.1f} samples/s/core  jpeg {np.mean([len(x) for x in images]) / 1024:.0f} KiB"
+              f"  decoded {shape[0] * shape[1] * 3 / 1024**2:.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
