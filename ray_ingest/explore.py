@@ -341,7 +341,7 @@ class DatasetView:
     # --- structure -----------------------------------------------------------------------
     @property
     def modalities(self) -> tuple[str, ...]:
-        return self.catalog.keys
+        return self.catalog.modalities
 
     @property
     def buckets(self) -> dict[str, int]:
@@ -379,7 +379,7 @@ class DatasetView:
     def _sample(self, sid: int, row: Mapping[str, Any]) -> Sample:
         shard = self.catalog.shards[sid]
         members = {}
-        for m in shard.keys:
+        for m in shard.modalities:
             data = row.get(m)
             members[m] = None if data is None else (row.get(ext_column(m)) or "", data)
         sample = Sample(key=row[KEY], shard=shard.path, index=int(row[INDEX]),
@@ -428,7 +428,7 @@ class DatasetView:
         if sid in self._shard_keys:
             return self._shard_keys[sid]
         shard: TarSample = self.catalog.shards[sid]
-        url = shard.url(shard.keys[0])
+        url = shard.url(shard.modalities[0])
         keys: list[str] | None = None
         try:
             raw = remote.read_bytes(index_url(url), self.opts.storage_options)
@@ -671,7 +671,7 @@ def open_dataset(
                            storage_options=so)
     opts = ReadOptions(align=align, optional=tuple(optional), index_path=index_path,
                        storage_options=so)
-    mods = catalog.keys
+    mods = catalog.modalities
     if image_key is None:
         image_key = "image" if "image" in mods else None
     if caption_key is None:

@@ -210,7 +210,7 @@ def iter_records(
     n = 0
     for shard in catalog.shards:
         for row in read_shard(shard, opts=opts, stats=stats):
-            yield record(row, shard.keys)
+            yield record(row, shard.modalities)
             n += 1
             if limit is not None and n >= limit:
                 return
