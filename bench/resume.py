@@ -174,10 +174,10 @@ def big_catalog(num_shards: int, seed: int = 0) -> Catalog:
     counts = np.random.default_rng(seed).integers(900, 1101, num_shards).tolist()
     root = "gs://bucket/dataset"
     shards = tuple(TarSample(path=f"part_{i // 1000:06d}/{i % 1000:06d}.tar", root=root,
-                             keys=("image", "caption"), count=c) for i, c in enumerate(counts))
+                             modalities=("image", "caption"), count=c) for i, c in enumerate(counts))
     info = Wdinfo(source=f"{root}/wdinfo.json", tar_files=shards, total_key_count=sum(counts),
                   chunk_size=1000, data_keys=("image", "caption"))
-    return Catalog(shards=shards, wdinfos=(info,), chunk_size=1000, keys=("image", "caption"))
+    return Catalog(shards=shards, wdinfos=(info,), chunk_size=1000, modalities=("image", "caption"))
 
 
 def bench_state_size(args: argparse.Namespace) -> None:

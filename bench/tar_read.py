@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                       min_side=args.min_side, max_side=args.max_side, modalities=MODALITIES,
                       num_workers=os.cpu_count() or 1)
         print(f"synth: {time.perf_counter() - t0:.1f}s")
-    catalog = load_catalog(str(out), keys=MODALITIES)
+    catalog = load_catalog(str(out), modalities=MODALITIES)
     tar_bytes = sum(os.path.getsize(s.url(m)) for s in catalog.shards for m in MODALITIES)
     print(f"dataset: {out}: {len(catalog.shards)} shards, {sum(catalog.counts)} samples, "
           f"{tar_bytes / 2**20:.1f} MiB of tars ({', '.join(MODALITIES)})")

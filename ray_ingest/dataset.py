@@ -189,7 +189,7 @@ class TwinTarsDatasource(Datasource):
             meta = BlockMetadata(
                 num_rows=rows,
                 size_bytes=None if rows is None else int(rows * DEFAULT_SAMPLE_BYTES),
-                input_files=[u.shard.url(u.shard.keys[0]) for u in group],
+                input_files=[u.shard.url(u.shard.modalities[0]) for u in group],
                 exec_stats=None,
             )
             tasks.append(ReadTask(_bind(group, self._opts, self._block_rows, self._schema),
@@ -326,7 +326,7 @@ def read_twin_tars(
         raise ConfigError(f"override_num_blocks: expected >= 1, got {override_num_blocks}")
     opts = ReadOptions(align=align, optional=tuple(optional), use_index=use_index,
                        index_path=index_path, storage_options=so)
-    catalog = load_catalog(paths, keys=mods, storage_options=so)
+    catalog = load_catalog(paths, modalities=mods, storage_options=so)
     leaf_of = _leaves(paths, so)
     units: list[_Unit] = []
     for w in catalog.wdinfos:
@@ -335,18 +335,18 @@ def read_twin_tars(
                                count=shard.count))
     cfg = None
     if decode is True:
-        cfg = _default_decode(catalog.keys)
+        cfg = _default_decode(catalog.modalities)
     elif isinstance(decode, DecodeConfig):
         cfg = decode
     elif decode is not False:
         raise ConfigError(f"decode: expected a bool or a DecodeConfig, got {decode!r}")
     if cfg is not None:
         wanted = [k for k in (cfg.image_key, cfg.caption_key, cfg.embedding_key) if k]
-        unknown = [k for k in wanted if k not in catalog.keys]
+        unknown = [k for k in wanted if k not in catalog.modalities]
         if unknown:
             raise ConfigError(f"decode: modalities {unknown} are not read "
-                              f"(modalities: {list(catalog.keys)})")
-    source = TwinTarsDatasource(units, catalog.keys, opts, block_rows=block_rows,
+                              f"(modalities: {list(catalog.modalities)})")
+    source = TwinTarsDatasource(units, catalog.modalities, opts, block_rows=block_rows,
                                 num_blocks=override_num_blocks, with_sid=cfg is not None)
     ds = ray.data.read_datasource(
         source, override_num_blocks=override_num_blocks, concurrency=concurrency,

@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from ray_ingest import remote
-from ray_ingest.catalog import Catalog, TarSample, load_catalog
+from ray_ingest.catalog import Catalog, TarSample, _modalities_arg, load_catalog
 from ray_ingest.decode import IMAGE_EXTS, SampleError, caption_text, load_array
 from ray_ingest.errors import IngestError
 from ray_ingest.reader import ReadOptions, read_shard
@@ -341,7 +341,7 @@ class DatasetView:
     # --- structure -----------------------------------------------------------------------
     @property
     def modalities(self) -> tuple[str, ...]:
-        return self.catalog.keys
+        return self.catalog.modalities
 
     @property
     def buckets(self) -> dict[str, int]:
@@ -379,7 +379,7 @@ class DatasetView:
     def _sample(self, sid: int, row: Mapping[str, Any]) -> Sample:
         shard = self.catalog.shards[sid]
         members = {}
-        for m in shard.keys:
+        for m in shard.modalities:
             data = row.get(m)
             members[m] = None if data is None else (row.get(ext_column(m)) or "", data)
         sample = Sample(key=row[KEY], shard=shard.path, index=int(row[INDEX]),
@@ -428,7 +428,7 @@ class DatasetView:
         if sid in self._shard_keys:
             return self._shard_keys[sid]
         shard: TarSample = self.catalog.shards[sid]
-        url = shard.url(shard.keys[0])
+        url = shard.url(shard.modalities[0])
         keys: list[str] | None = None
         try:
             raw = remote.read_bytes(index_url(url), self.opts.storage_options)
@@ -645,7 +645,7 @@ def _figure(width: float = 6.0, height: float = 3.6):
 
 def open_dataset(
     paths: str | Sequence[str],
-    keys: Sequence[str] | None = None,
+    modalities: Sequence[str] | None = None,
     *,
     align: str = "strict",
     optional: Sequence[str] = (),
@@ -653,25 +653,29 @@ def open_dataset(
     storage_options: Mapping[str, Any] | None = None,
     image_key: str | None = None,
     caption_key: str | None = None,
+    keys: Sequence[str] | None = None,
 ) -> DatasetView:
     """Open datasets for browsing (only wdinfo files are read here).
 
     Args:
         paths: wdinfo.json files or folders searched for them (local, ``gs://``, ``memory://``).
-        keys: modalities to read (default: the wdinfo's ``data_keys``); the first drives.
+        modalities: modalities to read (default: the wdinfo's ``data_keys``); the first drives
+            alignment.
         align: ``strict`` | ``merge`` | ``index``, as in training.
         optional: modalities that may lack a sample.
         index_path: parquet key list for ``align="index"``.
         storage_options: fsspec options.
         image_key: modality shown as thumbnails (default: ``image`` if present).
         caption_key: modality shown as captions (default: ``caption`` if present).
+        keys: deprecated name of ``modalities`` (DeprecationWarning).
     """
+    modalities = _modalities_arg(modalities, keys, "open_dataset")
     so = dict(storage_options or {})
-    catalog = load_catalog(paths if isinstance(paths, str) else list(paths), keys=keys,
-                           storage_options=so)
+    catalog = load_catalog(paths if isinstance(paths, str) else list(paths),
+                           modalities=modalities, storage_options=so)
     opts = ReadOptions(align=align, optional=tuple(optional), index_path=index_path,
                        storage_options=so)
-    mods = catalog.keys
+    mods = catalog.modalities
     if image_key is None:
         image_key = "image" if "image" in mods else None
     if caption_key is None:

@@ -197,8 +197,8 @@ def read_shard(
         skip_keys: list[str] = []
         known: dict[str, frozenset[str]] = {}
         limit = opts.max_member_bytes
-        driver = shard.keys[0]
-        for m in shard.keys:
+        driver = shard.modalities[0]
+        for m in shard.modalities:
             url = shard.url(m)
             try:
                 f = stack.enter_context(remote.open_url(url, opts.storage_options, opts.retry))

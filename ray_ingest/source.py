@@ -91,7 +91,7 @@ def read_item(
 
 def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int,
                on_error: str) -> Iterator[pa.Table]:
-    schema = _schema(shard.keys)
+    schema = _schema(shard.modalities)
     names = schema.names
     cols: dict[str, list[Any]] = {n: [] for n in names}
     bucket = shard.bucket or ""
@@ -121,8 +121,8 @@ def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: 
         cols[PAD].append(item.pad)
         cols[BUCKET].append(bucket)
         cols[ERROR].append(error)
-        cols[BYTES].append(sum(len(row[m]) for m in shard.keys if row.get(m) is not None))
-        for m in shard.keys:
+        cols[BYTES].append(sum(len(row[m]) for m in shard.modalities if row.get(m) is not None))
+        for m in shard.modalities:
             cols[m].append(row.get(m))
             cols[ext_column(m)].append(row.get(ext_column(m)))
 
@@ -220,14 +220,14 @@ class TwinTarDatasource(Datasource):
             meta = BlockMetadata(
                 num_rows=item.count,
                 size_bytes=int(item.count * self._sample_bytes),
-                input_files=[shard.url(shard.keys[0])],
+                input_files=[shard.url(shard.modalities[0])],
                 exec_stats=None,
             )
             tasks.append(ReadTask(
                 _bind(shard, item, self._opts, self._block_rows, self._on_error,
                       self._metric_tags),
                 meta,
-                schema=_schema(shard.keys),
+                schema=_schema(shard.modalities),
                 per_task_row_limit=per_task_row_limit,
             ))
         return tasks

@@ -19,6 +19,7 @@ import fsspec
 
 from ray_ingest.catalog import (
     DEFAULT_MODALITIES,
+    _modalities_arg,
     check_roots,
     load_catalog,
     read_wdinfo,
@@ -57,9 +58,11 @@ def _tar_sizes(urls: Sequence[str], storage_options: Mapping[str, Any]) -> dict[
 
 def summarize(
     paths: str | Sequence[str],
-    keys: Sequence[str] | None = None,
+    modalities: Sequence[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     root: str = "wdinfo",
+    *,
+    keys: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Summary of the datasets under ``paths`` (wdinfo.json files or folders searched for them).
 
@@ -68,10 +71,12 @@ def summarize(
     samples) and ``wdinfos`` (one entry per file with the same fields, plus ``root`` in use,
     ``wdinfo_root``, ``folder`` and where the per-shard counts come from). ``root``: read the
     tars under each wdinfo's ``root`` (``wdinfo``) or the folder holding it (``folder``).
+    ``modalities`` default to each wdinfo's ``data_keys``; ``keys`` is their deprecated name.
 
     Raises:
         CatalogError: a wdinfo is missing or malformed, or a listed tar does not exist.
     """
+    modalities = _modalities_arg(modalities, keys, "summarize")
     so = dict(storage_options or {})
     if isinstance(paths, str):
         paths = [paths]
@@ -81,8 +86,8 @@ def summarize(
     total: dict[str, Any] = {"datasets": 0, "shards": 0, "samples": 0, "modalities": [],
                              "bytes": {}, "buckets": {}, "wdinfos": []}
     for url in urls:
-        probe = read_wdinfo(url, keys or None, storage_options=so, root=root)
-        mods = tuple(keys) if keys else (probe.data_keys or DEFAULT_MODALITIES)
+        probe = read_wdinfo(url, modalities or None, storage_options=so, root=root)
+        mods = tuple(modalities) if modalities else (probe.data_keys or DEFAULT_MODALITIES)
         probe = probe._replace(modalities=mods)
         check_roots([probe], [so], root)
         nbytes: dict[str, int] = {}
@@ -178,7 +183,7 @@ def record(row: Mapping[str, Any], modalities: Sequence[str]) -> dict[str, Any]:
 
 def iter_records(
     paths: str | Sequence[str],
-    keys: Sequence[str] | None = None,
+    modalities: Sequence[str] | None = None,
     *,
     align: str = "strict",
     index_path: str | None = None,
@@ -187,12 +192,14 @@ def iter_records(
     stats: AlignStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
     root: str = "wdinfo",
+    keys: Sequence[str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Records of every sample of the datasets under ``paths``, in catalog order.
 
     Args:
         paths: wdinfo.json files or folders searched for them.
-        keys: modalities to read (default: the first wdinfo's ``data_keys``); the first drives.
+        modalities: modalities to read (default: the first wdinfo's ``data_keys``); the first
+            drives alignment.
         align: ``strict`` | ``merge`` | ``index``.
         index_path: parquet key list for ``index`` mode.
         optional: modalities that may lack a sample or a whole tar.
@@ -200,17 +207,20 @@ def iter_records(
         stats: alignment counters to update (merge/index skips).
         storage_options: fsspec options.
         root: ``wdinfo`` (the wdinfo's root) or ``folder`` (the folder holding it).
+        keys: deprecated name of ``modalities`` (DeprecationWarning).
     """
+    modalities = _modalities_arg(modalities, keys, "iter_records")
     if limit is not None and limit <= 0:
         return
     catalog = load_catalog(list(paths) if not isinstance(paths, str) else paths,
-                           modalities=keys, storage_options=dict(storage_options or {}), root=root)
+                           modalities=modalities, storage_options=dict(storage_options or {}),
+                           root=root)
     opts = ReadOptions(align=align, optional=tuple(optional), index_path=index_path,
                        storage_options=dict(storage_options or {}))
     n = 0
     for shard in catalog.shards:
         for row in read_shard(shard, opts=opts, stats=stats):
-            yield record(row, shard.keys)
+            yield record(row, shard.modalities)
             n += 1
             if limit is not None and n >= limit:
                 return

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         quiet.filter_driver_output()
     try:
-        catalog = load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
+        catalog = load_catalog(list(cfg.data.paths), modalities=cfg.data.modalities,
                                storage_options=cfg.data.storage_options, root=cfg.data.root)
         catalog.require_counts()  # resolved once here, not by every rank
     except IngestError as exc:

@@ -22,7 +22,7 @@ def test_written_wdinfo_loads(tmp_path):
                    "data_keys": ["image", "caption", "umt5"], "root": "."}
     assert (tmp_path / "ds" / "wdinfo.json").read_text().startswith('{\n  "data_list"')
     cat = load_catalog(url)
-    assert cat.keys == ("image", "caption", "umt5")
+    assert cat.modalities == ("image", "caption", "umt5")
     assert cat.chunk_size == 5 and cat.total_key_count == 8 and cat.counts == (5, 3)
     assert [s.root for s in cat.shards] == [str(tmp_path / "ds")] * 2
     assert cat.shards[1].url("caption") == str(tmp_path / "ds/caption/part_000000/000001.tar")
@@ -58,14 +58,14 @@ def test_pid_style_wdinfo(tmp_path):
         "root": str(data_root),
         "total_key_count": 8,
     })
-    w = read_wdinfo(str(wd), keys=("image", "caption"))
+    w = read_wdinfo(str(wd), modalities=("image", "caption"))
     assert w.chunk_size == 2  # int(8 / 3)
     assert w.data_keys == ("caption", "image")
     assert all(s.root == str(data_root) for s in w.tar_files)
     cat = load_catalog(str(wd))
-    assert cat.keys == ("caption", "image") and cat.chunk_size == 2
-    cat = load_catalog(str(wd), keys=["image", "caption"])
-    assert cat.shards[0].keys == ("image", "caption")
+    assert cat.modalities == ("caption", "image") and cat.chunk_size == 2
+    cat = load_catalog(str(wd), modalities=["image", "caption"])
+    assert cat.shards[0].modalities == ("image", "caption")
     assert cat.shards[0].url("image") == str(data_root / "image/part_000000/000000.tar")
 
 
@@ -131,8 +131,8 @@ def test_discovery_is_sorted_and_buckets_are_tagged(tmp_path):
 def test_datasets_keep_given_order_and_fingerprint(tmp_path):
     a = write_wdinfo(str(tmp_path / "b_second"), ["0.tar"], [2], ["image", "caption"])
     b = write_wdinfo(str(tmp_path / "a_first"), ["0.tar", "1.tar"], [2, 1], ["image", "caption"])
-    cat = load_catalog([a, DatasetInfo(wdinfo=(b,), per_dataset_keys=("image",))])
-    assert [(s.dset_id, s.path, s.keys) for s in cat.shards] == [
+    cat = load_catalog([a, DatasetInfo(wdinfo=(b,), per_dataset_modalities=("image",))])
+    assert [(s.dset_id, s.path, s.modalities) for s in cat.shards] == [
         ("dset: 0", "0.tar", ("image", "caption")),
         ("dset: 1", "0.tar", ("image",)), ("dset: 1", "1.tar", ("image",))]
     assert load_catalog([a, b]).fingerprint == load_catalog([a, b]).fingerprint

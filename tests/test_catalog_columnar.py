@@ -180,7 +180,7 @@ def test_fast_parse_keeps_every_error_message(tmp_path, monkeypatch, doc, match)
 
 def test_legacy_constructors_still_work():
     shards = tuple(TarSample(f"{i}.tar", "/d", ("image",), 4) for i in (0, 1))
-    cat = Catalog(shards=shards, wdinfos=(), chunk_size=4, keys=("image",))
+    cat = Catalog(shards=shards, wdinfos=(), chunk_size=4, modalities=("image",))
     assert cat.counts == (4, 4) and cat.modalities == ("image",) and cat.shards[1] == shards[1]
     info = Wdinfo(source="/d/wdinfo.json", tar_files=shards, total_key_count=8, chunk_size=4,
                   data_keys=("image",))
@@ -373,11 +373,13 @@ def test_old_names_still_work_with_a_deprecation_warning(tmp_path, monkeypatch):
         info = DatasetInfo(wdinfo=(a,), per_dataset_keys=("caption",))
         assert info.per_dataset_keys == info.per_dataset_modalities == ("caption",)
         assert catalog_mod.DEFAULT_KEYS == catalog_mod.DEFAULT_MODALITIES
+        assert Catalog(shards=cat.shards, keys=("image",)).modalities == ("image",)
     names = {str(w.message).split(" is deprecated")[0] for w in got
              if issubclass(w.category, DeprecationWarning)}
     assert names == {"load_catalog(keys=...)", "Catalog.keys", "TarSample.keys",
                      "TarSample(keys=...)", "DatasetInfo(per_dataset_keys=...)",
-                     "DatasetInfo.per_dataset_keys", "ray_ingest.catalog.DEFAULT_KEYS"}
+                     "DatasetInfo.per_dataset_keys", "ray_ingest.catalog.DEFAULT_KEYS",
+                     "Catalog(keys=...)"}
     with pytest.raises(CatalogError, match="both"):
         load_catalog(a, modalities=["image"], keys=["image"])
 

@@ -91,7 +91,8 @@ def test_synth_info_cat(tmp_path, capsys):
     assert rc == 0
     assert "samples:    9" in text and "shards:     3" in text
     assert "modalities: image, caption, umt5" in text
-    rc, text, _ = run(capsys, "cat", out / "wdinfo.json", "--keys", "caption,image", "--limit", "5")
+    rc, text, _ = run(capsys, "cat", out / "wdinfo.json", "--modalities", "caption,image",
+                      "--limit", "5")
     recs = records(text)
     assert [r["key"] for r in recs] == [f"s{i:08d}" for i in range(5)]
     assert [r["index"] for r in recs] == [0, 1, 2, 3, 0]
@@ -136,6 +137,57 @@ def good(tmp_path) -> Path:
         SHARD: {"image": ["a", "b", "c"], "caption": ["a", "b", "c"]},
         "part_000000/000001.tar": {"image": ["d", "e"], "caption": ["d", "e"]},
     })
+
+
+# --------------------------------------------------------------------------- renamed names
+
+KEYS_WARNING = "ray-ingest: warning: --keys is deprecated; use --modalities\n"
+
+
+def test_keys_flag_is_a_deprecated_alias_of_modalities(tmp_path, capsys, good):
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    sids = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    recs = [{"event": "start", "rank": 0, "world": 1, "slot": 0, "resume_step": 0, "epoch": 0,
+             "attempt": 0}]
+    recs += [{"epoch": 0, "step": n, "rank": 0, "slot": 0, "batch": n - 1, "keys": [f"k{n}"],
+              "sids": [sid], "indices": [idx], "pads": [False], "skipped": []}
+             for n, (sid, idx) in enumerate(sids, start=1)]
+    recs.append({"event": "epoch_end", "epoch": 0, "rank": 0, "step": len(sids)})
+    (ledger / "rank_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    calls = {"info": [good, "--json"], "cat": [good],
+             "plan": [good, "--world-size", "1", "--num-workers", "1", "--json"],
+             "audit": [ledger, "--data", good]}
+    outs = {}
+    for cmd, args in calls.items():
+        rc, new, err = run(capsys, cmd, *args, "--modalities", "caption")
+        assert rc == 0 and err == "", (cmd, err)
+        rc, old, err = run(capsys, cmd, *args, "--keys", "caption")
+        assert rc == 0 and old == new and err == KEYS_WARNING, (cmd, err)
+        outs[cmd] = new
+        assert_one_line_error(*run(capsys, cmd, *args, "--modalities", "caption", "--keys",
+                                   "caption")[::2], "--keys: old name of --modalities; got both")
+        _, help_text, _ = run(capsys, cmd, "--help")
+        assert "--modalities" in help_text and "--keys" not in help_text
+    assert json.loads(outs["info"])["modalities"] == ["caption"]
+    assert {tuple(r) for r in records(outs["cat"])} == {("key", "shard", "index", "caption")}
+    assert json.loads(outs["audit"])["status"] == "exactly-once"
+
+
+def test_library_keys_arguments_are_deprecated_aliases(good, monkeypatch):
+    from ray_ingest import catalog as catalog_mod
+    from ray_ingest.errors import CatalogError
+    from ray_ingest.summary import iter_records, summarize
+
+    assert summarize(str(good), ["caption"])["modalities"] == ["caption"]
+    monkeypatch.setattr(catalog_mod, "_WARNED", set())
+    with pytest.warns(DeprecationWarning, match=r"summarize\(keys=...\) is deprecated"):
+        assert summarize(str(good), keys=["caption"])["modalities"] == ["caption"]
+    with pytest.warns(DeprecationWarning, match=r"iter_records\(keys=...\) is deprecated"):
+        assert set(next(iter_records(str(good), keys=["caption"]))) == {
+            "key", "shard", "index", "caption"}
+    with pytest.raises(CatalogError, match="both"):
+        summarize(str(good), modalities=["image"], keys=["image"])
 
 
 def test_missing_wdinfo(tmp_path, capsys):
@@ -213,7 +265,7 @@ def test_other_bad_arguments(tmp_path, capsys, good):
     assert_one_line_error(*run(capsys, "cat", good, "--align", "index")[::2], "--index")
     assert_one_line_error(*run(capsys, "cat", good, "--align", "index", "--index",
                                tmp_path / "no.parquet")[::2], "index file not found")
-    assert_one_line_error(*run(capsys, "cat", good, "--keys", "image,umt5")[::2],
+    assert_one_line_error(*run(capsys, "cat", good, "--modalities", "image,umt5")[::2],
                           "missing umt5 tar")
     assert_one_line_error(*run(capsys, "shard", tmp_path / "nope", tmp_path / "o")[::2],
                           "input folder not found")

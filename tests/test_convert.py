@@ -174,7 +174,7 @@ def test_in_place_conversion_trains_without_pickle(ray_local, pid_data):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     # the loader, with decode.allow_pickle false, delivers the original arrays
     cfg = config_from_dict({
-        "data": {"paths": [str(root)], "keys": list(MODS)},
+        "data": {"paths": [str(root)], "modalities": list(MODS)},
         "decode": {"resolution": 16, "embedding_key": "umt5", "allow_pickle": False,
                    "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
         "loader": {"batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25,

@@ -1,7 +1,8 @@
 """The reference docs cover the code: every config field (with its default) is in
 docs/configuration.md, and every CLI subcommand flag and job flag is in docs/cli.md. Everything
 is enumerated from the code, so a new field or flag fails here until it is documented, and a
-removed one fails until its row is deleted."""
+removed one fails until its row is deleted. A hidden flag (a deprecated old name) is documented
+on its command's ``Deprecated aliases:`` line instead of in the table."""
 
 from __future__ import annotations
 
@@ -105,14 +106,25 @@ def test_config_sections_are_all_documented():
     assert set(config.SECTIONS) <= set(sections)
 
 
-def _cli_expected(cmd: click.Command) -> tuple[set[str], set[str]]:
-    flags, args = set(), set()
+def _cli_expected(cmd: click.Command) -> tuple[set[str], set[str], set[str]]:
+    """(visible flags, hidden flags, argument names) of ``cmd``."""
+    flags, hidden, args = set(), set(), set()
     for p in cmd.params:
         if isinstance(p, click.Argument):
             args.add(p.human_readable_name.upper())
         else:
-            flags.update(o for o in (*p.opts, *p.secondary_opts) if o.startswith("--"))
-    return flags, args
+            opts = {o for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+            (hidden if getattr(p, "hidden", False) else flags).update(opts)
+    return flags, hidden, args
+
+
+def _deprecated_aliases(body: str) -> dict[str, str]:
+    """Old flag -> new flag, from ``Deprecated aliases: `--old` for `--new`, ...`` lines."""
+    out: dict[str, str] = {}
+    for line in body.splitlines():
+        if line.startswith("Deprecated aliases:"):
+            out.update(re.findall(r"`(--[\w-]+)` for `(--[\w-]+)`", line))
+    return out
 
 
 def _documented_flags(rows: dict[str, list[str]]) -> set[str]:
@@ -129,7 +141,7 @@ def test_every_cli_flag_is_documented(name):
     key = f"ray-ingest {name}"
     assert key in sections, f"docs/cli.md: no '## `{key}`' section"
     body = sections[key]
-    flags, args = _cli_expected(commands[name])
+    flags, hidden, args = _cli_expected(commands[name])
     rows = _table_rows(body)
     for flag in sorted(flags):
         assert flag in rows, f"{key}: flag {flag} has no table row"
@@ -137,6 +149,13 @@ def test_every_cli_flag_is_documented(name):
         assert any(r.rstrip(".") == arg for r in rows), f"{key}: argument {arg} has no table row"
     stale = sorted(_documented_flags(rows) - flags)
     assert not stale, f"{key}: documented flags that no longer exist: {stale}"
+    aliases = _deprecated_aliases(body)
+    for flag in sorted(hidden):
+        assert flag in aliases, (f"{key}: hidden flag {flag} is not on a "
+                                 "'Deprecated aliases: `--old` for `--new`' line")
+        assert aliases[flag] in flags, f"{key}: {flag} is an alias of unknown flag {aliases[flag]}"
+    stale = sorted(set(aliases) - hidden)
+    assert not stale, f"{key}: documented deprecated aliases that are not hidden flags: {stale}"
 
 
 def test_every_job_flag_is_documented():

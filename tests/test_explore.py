@@ -218,6 +218,18 @@ def test_open_dataset_rejects_unknown_modality(data):
         explore.open_dataset(data, image_key="video")
 
 
+def test_open_dataset_modalities_and_their_old_name_keys(data, monkeypatch):
+    from ray_ingest import catalog as catalog_mod
+
+    assert explore.open_dataset(data, ["caption", "image"]).modalities == ("caption", "image")
+    monkeypatch.setattr(catalog_mod, "_WARNED", set())
+    with pytest.warns(DeprecationWarning, match=r"open_dataset\(keys=...\) is deprecated"):
+        ds = explore.open_dataset(data, keys=["caption"])
+    assert ds.modalities == ("caption",) and ds.image_key is None
+    with pytest.raises(IngestError, match="both"):
+        explore.open_dataset(data, modalities=["image"], keys=["image"])
+
+
 # --------------------------------------------------------------------------- the notebook
 
 

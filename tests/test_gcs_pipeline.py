@@ -151,7 +151,7 @@ def test_catalog_cache_reads_once_per_content(tmp_path, datasets, fault_proxy, m
     # local folder: parsed once, the same object handed out again
     first = load_catalog([str(local)], cache=True)
     assert load_catalog([str(local)], cache=True) is first
-    assert load_catalog([str(local)], keys=("image", "caption"), cache=True) is not first
+    assert load_catalog([str(local)], modalities=("image", "caption"), cache=True) is not first
     assert load_catalog([str(local)]) is not first  # cache=False still reads
     assert sum(reads.values()) == 3
     # a rewritten wdinfo.json (new size/mtime) is read again
@@ -180,7 +180,7 @@ def test_catalog_cache_reads_once_per_content(tmp_path, datasets, fault_proxy, m
 
 def pipeline_cfg(paths: list[str], storage_options: dict):
     return config_from_dict({
-        "data": {"paths": paths, "keys": ["image", "caption", "umt5"],
+        "data": {"paths": paths, "modalities": ["image", "caption", "umt5"],
                  "storage_options": storage_options},
         "decode": {"resolution": 16, "embedding_key": "umt5", "pool_min": 1, "pool_max": 2,
                    "num_cpus": 0.25},
@@ -209,7 +209,7 @@ def run_epoch(cfg, catalog) -> tuple[list[tuple[int, int]], dict[tuple[int, int]
 
 def local_decode(local: Path, cfg) -> dict[tuple[int, int], tuple]:
     """The samples decoded in this process from the local copy (no Ray, no gs://)."""
-    cat = load_catalog([str(local)], keys=cfg.data.keys)
+    cat = load_catalog([str(local)], modalities=cfg.data.modalities)
     decoder = Decoder(cfg.decode, seed=cfg.loader.seed, epoch=0)
     out = {}
     for sid, shard in enumerate(cat.shards):
@@ -230,9 +230,9 @@ def test_pipeline_over_gs_through_faults_delivers_every_sample_once(
     # parsed once on the driver and shipped with the tasks, as ray_ingest.train does (the
     # catalog's own retries are tested above): every request counted below is a worker's
     fault_proxy.configure(rate=0.0)
-    cat = load_catalog(list(cfg.data.paths), keys=cfg.data.keys,
+    cat = load_catalog(list(cfg.data.paths), modalities=cfg.data.modalities,
                        storage_options=cfg.data.storage_options)
-    assert cat.fingerprint == load_catalog([str(local)], keys=cfg.data.keys).fingerprint
+    assert cat.fingerprint == load_catalog([str(local)], modalities=cfg.data.modalities).fingerprint
     loader0 = IngestLoader(cfg, TOPO, catalog=cat)
     plan = [(sl.shard, sl.start + k)
             for sl in slot_stream(loader0.state, cat.counts, cat.chunk_size, TOPO.slot)

@@ -119,7 +119,7 @@ def test_loader_and_read_metrics_reach_the_metrics_endpoint(ray_local, tmp_path)
     want_bytes = 0
     for sid, idx in seen:
         shard = loader.catalog.shards[sid]
-        for mod in shard.keys:
+        for mod in shard.modalities:
             with tarfile.open(shard.url(mod)) as tf:
                 member = [x for x in tf if x.isfile()][idx]
             want_bytes += 0 if (mod == "image" and idx == 0) else member.size

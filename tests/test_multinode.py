@@ -128,7 +128,7 @@ def test_placement_by_label_and_train_node_loss(cluster, tmp_path, monkeypatch):
     data = str(tmp_path / "ds")
     synth_dataset(data, samples=samples, shard_size=20, seed=9, min_side=32, max_side=40)
     cfg = {
-        "data": {"paths": [data], "keys": ["image", "caption"]},
+        "data": {"paths": [data], "modalities": ["image", "caption"]},
         "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.5,
                    "label_selector": {"pool": "cpu-decode"}},
         "loader": {"batch_size": 8, "seed": 4, "read_workers": 2, "block_rows": 8,

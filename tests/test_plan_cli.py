@@ -54,7 +54,7 @@ def test_json_all_ranks_with_groups(tmp_path, capsys):
 def test_json_one_rank_all_workers_and_flags(tmp_path, capsys):
     path = write_wdinfo(tmp_path)
     rc = main(["plan", str(path), "--world-size", "2", "--num-workers", "2", "--rank", "0",
-               "--seed-mode", "pid", "--no-shuffle", "--no-repeat", "--json", "--keys",
+               "--seed-mode", "pid", "--no-shuffle", "--no-repeat", "--json", "--modalities",
                "image,caption"])
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -40,7 +40,7 @@ def job(tmp_path_factory):
     data = str(root / "ds")
     synth_dataset(data, samples=SAMPLES, shard_size=SHARD, seed=9, min_side=32, max_side=40)
     cfg = {
-        "data": {"paths": [data], "keys": ["image", "caption"]},
+        "data": {"paths": [data], "modalities": ["image", "caption"]},
         "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
         "loader": {"batch_size": BATCH, "seed": 4, "read_workers": 2, "block_rows": 16,
                    "read_num_cpus": 0.25},
@@ -164,7 +164,7 @@ def test_audit_rolls_back_ranks_that_did_not_come_back(tmp_path):
     """2 ranks crash after the step-2 checkpoint; the re-run has 1 rank. Rank 1's step 3 was
     rolled back too, although rank 1 never logged a restart (no trainer: a written ledger)."""
     catalog = Catalog(shards=tuple(TarSample(f"{i}.tar", "/d", ("image",), 4) for i in (0, 1)),
-                      wdinfos=(), chunk_size=4, keys=("image",))
+                      wdinfos=(), chunk_size=4, modalities=("image",))
     clock = iter(range(100))
 
     def batch(rank, slot, step, sid, idx):

@@ -154,7 +154,7 @@ def test_pipeline_refuses_pickled_embeddings(ray_local, tmp_path):
                for i, n in enumerate(names)]
     write_tar(umt5, members, index=True)
     cfg = config_from_dict({
-        "data": {"paths": [str(root)], "keys": ["image", "caption", "umt5"]},
+        "data": {"paths": [str(root)], "modalities": ["image", "caption", "umt5"]},
         "decode": {"resolution": 16, "embedding_key": "umt5", "pool_min": 1, "pool_max": 1,
                    "num_cpus": 0.25},
         "loader": {"batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 4,

@@ -40,7 +40,7 @@ def test_every_sample_once_byte_identical(tmp_path):
     raw = make_raw(tmp_path / "in")
     report = shard_folders(str(raw), str(tmp_path / "out"), shard_size=3)
     cat, rows = _read_all(tmp_path / "out")
-    assert cat.keys == ("image", "caption", "umt5")
+    assert cat.modalities == ("image", "caption", "umt5")
     assert sorted(r[KEY] for r in rows) == [s[0] for s in SIZES]
     assert [r[KEY] for r in rows] == [s[0] for s in SIZES]  # sorted order
     for r in rows:

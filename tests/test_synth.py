@@ -48,7 +48,7 @@ def test_samples_decode_to_declared_sizes(tmp_path):
                            min_side=32, max_side=96, aspect_ratios=((16, 9), (1, 1), (2, 3)))
     assert report.samples == 12 and report.shards == 3
     cat = load_catalog(str(tmp_path))
-    assert cat.keys == MODS and cat.counts == (5, 5, 2) and cat.chunk_size == 5
+    assert cat.modalities == MODS and cat.counts == (5, 5, 2) and cat.chunk_size == 5
     rows = [r for s in cat.shards for r in read_shard(s)]
     assert [r[KEY] for r in rows] == [f"s{i:08d}" for i in range(12)]
     for i, r in enumerate(rows):

@@ -64,7 +64,7 @@ def twin_case(draw, max_keys: int = 10):
 def _write(tmp_path_factory, streams: dict[str, list[str]], index: bool = False) -> TarSample:
     root = tmp_path_factory.getbasetemp() / "twin" / f"case{next(_counter)}"
     write_twin(root, {SHARD_PATH: streams}, index=index, wdinfo=False)
-    return TarSample(path=SHARD_PATH, root=str(root), keys=tuple(streams), count=None)
+    return TarSample(path=SHARD_PATH, root=str(root), modalities=tuple(streams), count=None)
 
 
 def _tar_members(path: Path) -> list[tuple[str, bytes]]:
@@ -390,8 +390,8 @@ def test_optional_modality_absent_for_some_samples(tmp_path_factory, align):
 @pytest.mark.parametrize("align", ["strict", "merge"])
 def test_optional_modality_tar_absent(tmp_path_factory, align):
     shard = _write(tmp_path_factory, {"image": ["a", "b"], "caption": ["a", "b"]})
-    shard = TarSample(path=shard.path, root=shard.root, keys=("image", "caption", "umt5"),
-                      count=None)
+    shard = TarSample(path=shard.path, root=shard.root,
+                      modalities=("image", "caption", "umt5"), count=None)
     rows = list(read_shard(shard, opts=ReadOptions(align=align, optional=("umt5",))))
     assert [(r[KEY], r["umt5"]) for r in rows] == [("a", None), ("b", None)]
     with pytest.raises(Exception, match="missing umt5 tar"):

@@ -10,25 +10,27 @@ from tqdm import tqdm
 
 from ray_ingest.audit import VIOLATION, audit, keys_at, read_ledgers
 from ray_ingest.catalog import load_catalog
+from ray_ingest.cli._options import modalities_arg, modalities_option
 
 
 @click.command("audit")
 @click.argument("ledger_dir")
 @click.option("--data", "data", multiple=True, required=True, help="dataset path(s) trained on")
-@click.option("--keys", default=None, help="modalities, comma-separated (as trained)")
+@modalities_option("modalities, comma-separated (as trained)")
 @click.option("--step", type=int, default=None, help="show the keys of this global step")
 @click.option("--rank", type=int, default=0, show_default=True, help="rank for --step")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr, one tick per epoch (default: only on a terminal).")
-def command(ledger_dir: str, data: tuple[str, ...], keys: str | None, step: int | None,
-            rank: int, progress: bool | None) -> None:
+def command(ledger_dir: str, data: tuple[str, ...], modalities: str | None,
+            old_keys: str | None, step: int | None, rank: int, progress: bool | None) -> None:
     """Per epoch: samples expected, seen, duplicated, missing, and a status: exactly-once,
     incomplete (the run stopped inside the epoch) or violation (exit 1)."""
+    mods = modalities_arg(modalities, old_keys)
     ledgers = read_ledgers(ledger_dir)
     if step is not None:
         click.echo(json.dumps(keys_at(ledgers, rank, step)))
         return
-    catalog = load_catalog(list(data), keys=keys.split(",") if keys else None)
+    catalog = load_catalog(list(data), modalities=mods)
     bad = False
     epochs = sorted({b["epoch"] for lg in ledgers.values() for b in lg.batches}
                     | {e for lg in ledgers.values() for e in lg.epoch_ends})

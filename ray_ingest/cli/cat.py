@@ -7,6 +7,7 @@ import json
 import click
 
 from ray_ingest.catalog import ROOT_MODES
+from ray_ingest.cli._options import modalities_arg, modalities_option
 from ray_ingest.errors import IngestError
 from ray_ingest.summary import iter_records
 from ray_ingest.twin import ALIGN_MODES, AlignStats
@@ -18,8 +19,7 @@ def _csv(text: str | None) -> list[str] | None:
 
 @click.command("cat")
 @click.argument("paths", nargs=-1, required=True)
-@click.option("--keys", default=None,
-              help="Comma-separated modalities (default: data_keys); the first drives.")
+@modalities_option("Comma-separated modalities (default: data_keys); the first drives.")
 @click.option("--align", type=click.Choice(ALIGN_MODES), default="strict", show_default=True)
 @click.option("--index", "index_path", default=None,
               help="Parquet key list (first column; optional 'shard' column) for --align index.")
@@ -28,15 +28,17 @@ def _csv(text: str | None) -> list[str] | None:
 @click.option("--limit", type=int, default=None, help="Stop after N samples.")
 @click.option("--root", "root_mode", type=click.Choice(ROOT_MODES), default="wdinfo",
               show_default=True, help="Tars under the wdinfo's root, or the folder holding it.")
-def command(paths: tuple[str, ...], keys: str | None, align: str, index_path: str | None,
-            optional: str | None, limit: int | None, root_mode: str) -> None:
+def command(paths: tuple[str, ...], modalities: str | None, old_keys: str | None, align: str,
+            index_path: str | None, optional: str | None, limit: int | None,
+            root_mode: str) -> None:
     """One JSON line per sample of PATH... (wdinfo.json files or folders searched for them):
     {"key", "shard", "index", "<modality>": {"ext", "bytes", "sha1"}}."""
+    mods = modalities_arg(modalities, old_keys)
     if align == "index" and index_path is None:
         raise IngestError("--index: --align index needs a parquet key list, got none")
     stats = AlignStats()
     try:
-        for rec in iter_records(list(paths), _csv(keys), align=align, index_path=index_path,
+        for rec in iter_records(list(paths), mods, align=align, index_path=index_path,
                                 optional=_csv(optional) or (), limit=limit, stats=stats,
                                 root=root_mode):
             click.echo(json.dumps(rec))

@@ -13,6 +13,7 @@ import json
 import click
 
 from ray_ingest.catalog import ROOT_MODES, load_catalog
+from ray_ingest.cli._options import modalities_arg, modalities_option
 from ray_ingest.errors import ConfigError
 from ray_ingest.plan import (
     DEFAULT_SETTINGS,
@@ -46,7 +47,7 @@ _D = DEFAULT_SETTINGS
               help="Extend cyclically to slots*workers, as PiD does (loader.repeat).")
 @click.option("--start-index", type=int, default=0, show_default=True,
               help="PiD WDS_START_INDEX: skip start_index // chunk_size // workers shards.")
-@click.option("--keys", default=None, help="Comma-separated modalities (default: the wdinfo's).")
+@modalities_option("Comma-separated modalities (default: the wdinfo's).")
 @click.option("--root", "root_mode", type=click.Choice(ROOT_MODES), default="wdinfo",
               show_default=True, help="Tars under the wdinfo's root, or the folder holding it.")
 @click.option("--json", "as_json", is_flag=True,
@@ -64,7 +65,8 @@ def command(
     shuffle: bool,
     repeat: bool,
     start_index: int,
-    keys: str | None,
+    modalities: str | None,
+    old_keys: str | None,
     root_mode: str,
     as_json: bool,
 ) -> None:
@@ -73,6 +75,7 @@ def command(
     With --rank and --worker: that worker's shards, one data_list path per line. With
     --json: one JSON line per selected (rank, worker); all of them when none is selected.
     """
+    mods = modalities_arg(modalities, old_keys)
     if not as_json and (rank is None or worker is None):
         raise ConfigError("--rank/--worker: expected both (or --json), got "
                           f"rank={rank} worker={worker}")
@@ -81,8 +84,7 @@ def command(
                     worker_id=worker or 0, group_size=group_size)
     params = PlanParams(seed=seed, seed_mode=seed_mode, shuffle=shuffle, repeat=repeat,
                         equal_work=_D.equal_work, start_index=start_index)
-    modalities = [k.strip() for k in keys.split(",") if k.strip()] if keys else None
-    catalog = load_catalog(list(paths), modalities=modalities, root=root_mode)
+    catalog = load_catalog(list(paths), modalities=mods, root=root_mode)
     n = len(catalog.paths)
     order = base_order(n, params, epoch)
     ranks = range(world_size) if rank is None else [rank]
