@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ours: loader.block_rows (default: the config default)")
     p.add_argument("--pool", type=int, default=None,
                    help="ours: decode actors, min = max (default: the config default)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="ours: a config override (YAML value), e.g. loader.fused_read=true")
     return p
 
 
@@ -207,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         OURS["loader"]["block_rows"] = args.block_rows
     if args.pool:
         OURS["decode"].update(pool_min=args.pool, pool_max=args.pool)
+    import yaml
+
+    for item in args.set:
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        if section not in OURS or not field:
+            raise SystemExit(f"--set {item!r}: expected decode.FIELD=VALUE or loader.FIELD=VALUE")
+        OURS[section][field] = yaml.safe_load(value)
     from ray_ingest.synth import synth_dataset
 
     if not os.path.exists(os.path.join(args.data, "wdinfo.json")):

@@ -181,7 +181,7 @@ class LoaderConfig(PlanSettings):
     read_concurrency: int = attrs.field(default=2, validator=_at_least(1))
     #: Samples per read task and per Arrow block (strict alignment cuts shards into tasks of
     #: this size so decode overlaps reading; other modes read whole slices in such blocks).
-    block_rows: int = attrs.field(default=64, validator=_at_least(1))
+    block_rows: int = attrs.field(default=128, validator=_at_least(1))
     #: Upper bound on one decoded block (rows x H x W x 3 bytes): block_rows is lowered to fit,
     #: down to one row, so (prefetch_batches + 1) blocks fit a small object store
     #: (ray_ingest.sizing; docs/operations.md "Object-store sizing").
@@ -190,6 +190,9 @@ class LoaderConfig(PlanSettings):
     ordered: bool = True
     #: Batches prefetched by the Ray iterator.
     prefetch_batches: int = attrs.field(default=2, validator=_at_least(0))
+    #: Decode actors read their own items (no read tasks, no raw bytes through the object
+    #: store); false: read tasks (``read_concurrency``, ``read_num_cpus``) feed the actors.
+    fused_read: bool = True
     #: Logical CPUs this rank's Ray Data execution may use (read tasks + decode actors).
     #: None: an equal share of the cluster, its CPUs / the number of ranks.
     cpu_limit: float | None = attrs.field(default=None, validator=_opt_at_least(0.0))

@@ -148,7 +148,8 @@ class IngestLoader:
             plans = plan_window(self.state, self.topology, self.counts, self.catalog.chunk_size,
                                 lc.batch_size, last, shard_bucket=self.shard_bucket,
                                 block_rows=block_rows(self.cfg) if strict else None,
-                                max_items=lc.max_planned_items)
+                                max_items=lc.max_planned_items,
+                                first_rows=lc.batch_size if strict else None)
             # The window lives while this generator or an epoch's batches refer to it.
             window = EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
                                  clock=self.clock, on_stats=self._keep_stats,

@@ -16,6 +16,7 @@ from ray_ingest.config import Config
 from ray_ingest.decode import Decoder
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import read_options
+from ray_ingest.sizing import block_rows
 from ray_ingest.source import read_item
 
 
@@ -37,7 +38,7 @@ class LocalExecution:
                 return
             self.read += 1
             for table in read_item(self.catalog.shards[item.sid], item, opts,
-                                   self.cfg.loader.block_rows, self.cfg.loader.on_error):
+                                   block_rows(self.cfg), self.cfg.loader.on_error):
                 yield self.decoder(table)
 
     def stats(self) -> str:

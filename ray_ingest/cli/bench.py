@@ -25,7 +25,9 @@ import click
               help="ours: samples per read task and block (default: loader.block_rows)")
 @click.option("--pool", type=int, default=None,
               help="ours: decode actors, min = max (default: decode.pool_min..pool_max)")
-def command(**opts) -> None:
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.FIELD=VALUE",
+              help="ours: a config override, e.g. loader.fused_read=true (repeatable)")
+def command(overrides: tuple[str, ...], **opts) -> None:
     """Throughput of ray_ingest vs baselines, same data, same sitting (prints ratios)."""
     from ray_ingest.benchmark import main
 
@@ -33,6 +35,8 @@ def command(**opts) -> None:
     for name, value in opts.items():
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
+    for item in overrides:
+        argv += ["--set", item]
     rc = main(argv)
     if rc:
         raise click.exceptions.Exit(rc)

@@ -169,12 +169,15 @@ def plan_window(
     shard_bucket: Sequence[str] | np.ndarray | None = None,
     block_rows: int | None = None,
     max_items: int | None = None,
+    first_rows: int | None = None,
 ) -> list[EpochPlan]:
     """Plans of the epochs one execution reads: the rest of ``state``'s epoch, then the following
     epochs from their start on ``topology``, up to ``num_epochs`` (exclusive).
 
     Epochs are added while the window holds at most ``max_items`` read items (every read task is
-    ``ray.put`` when an execution starts); the current epoch is always included.
+    ``ray.put`` when an execution starts); the current epoch is always included. With
+    ``first_rows`` (positional alignment only) the window's first item is cut to at most that
+    many samples, so the first batch waits for one small block, not a whole one.
     """
     plans: list[EpochPlan] = []
     items = 0
@@ -183,6 +186,12 @@ def plan_window(
                                 shard_bucket=shard_bucket, block_rows=block_rows)
         if plans and max_items is not None and items + len(plan.items) > max_items:
             break
+        if first_rows and not items and plan.items and plan.items[0].count > first_rows:
+            head = plan.items[0]
+            cut = (attrs.evolve(head, count=first_rows),
+                   attrs.evolve(head, seq=head.seq + first_rows, start=head.start + first_rows,
+                                count=head.count - first_rows))
+            plan = attrs.evolve(plan, items=(*cut, *plan.items[1:]))
         plans.append(plan)
         items += len(plan.items)
         state = next_epoch(state, topology, batch_size)
