@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -227,7 +228,8 @@ def decode_actor_nodes() -> dict[str, str]:
     import ray
 
     return {a["ActorID"]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
-            if "MapBatches(Decoder)" in a["ActorClassName"] and a["State"] == "ALIVE"}
+            if re.search(r"MapBatches\((Read)?Decoder\)", a["ActorClassName"])
+            and a["State"] == "ALIVE"}
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ def cfg(**sections):
     return config_from_dict({"data": {"paths": ["x"]}, **sections})
 
 
-@pytest.mark.parametrize(("res", "rows"), [(64, 64), (256, 64), (512, 42), (1024, 10),
+@pytest.mark.parametrize(("res", "rows"), [(64, 128), (256, 128), (512, 42), (1024, 10),
                                             (2048, 2), (3840, 1), (8192, 1)])
 def test_block_rows_shrink_with_resolution_to_fit_max_block_bytes(res, rows):
     c = cfg(decode={"resolution": res})
