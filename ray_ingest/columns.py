@@ -29,7 +29,7 @@ ERROR = "__error__"
 T_READ = "__t_read__"
 #: Payload bytes the read task read for the sample (all modalities): per-rank bytes read.
 BYTES = "__bytes__"
-#: Seconds the decode actor spent per sample.
+#: CPU seconds the decode actor's thread spent per sample.
 T_DECODE = "__t_decode__"
 #: Id of the decode actor that produced the row (observed pool size).
 ACTOR = "__actor__"

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 CROP_MODES = ("center", "random")
 ON_ERROR = ("raise", "skip")
+GROUP_SHARE = ("broadcast", "off")
 
 
 def _tuple(value: Any) -> tuple:
@@ -212,6 +213,14 @@ class LoaderConfig(PlanSettings):
     #: a lost decode node whose actors cannot restart anywhere (None: wait forever). Only time
     #: spent waiting counts: pauses of the train loop (checkpoints, validation) never trip it.
     stall_timeout_s: float | None = attrs.field(default=900.0, validator=_opt_at_least(1))
+    #: How the ranks of a parallel group (train.group_size > 1) get their identical batches:
+    #: ``broadcast``: the group's first rank reads and decodes, and broadcasts every batch to
+    #: the others over torch.distributed (gloo on CPU, NCCL on GPUs); ``off``: every rank
+    #: reads and decodes the same stream itself (G x the decode CPU and storage reads).
+    group_share: str = attrs.field(default="broadcast", validator=_one_of(GROUP_SHARE))
+    #: Longest wait of a group's rank for its leader's next batch (a lost leader, or one
+    #: stuck on data): fails with a GroupError naming the group and the step.
+    group_timeout_s: float = attrs.field(default=1800.0, validator=_at_least(1))
     #: Honour PiD's WDS_START_INDEX / WDS_EPOCH_NUM as a starting point (pid seed mode only).
     pid_env: bool = False
 

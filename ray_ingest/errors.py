@@ -42,3 +42,8 @@ class OversizedMemberError(IngestError):
 class StallError(IngestError):
     """The read/decode pipeline made no progress for loader.stall_timeout_s (e.g. a decode node
     was lost and its actors have nowhere to restart)."""
+
+
+class GroupError(RuntimeError):
+    """A parallel group's shared stream broke: its leader failed or is gone, or a wait for it
+    ran past loader.group_timeout_s. Names the group, its leader, the epoch and the batch."""

@@ -97,6 +97,14 @@ class SkipFilter:
         good = np.flatnonzero(errors == "")
         return {k: v[good] for k, v in block.items()}
 
+    def count(self, skips: list[Skip]) -> None:
+        """Count skips another rank filtered (a group share's follower): kinds and metrics."""
+        for _, _, reason in skips:
+            kind = skip_kind(reason)
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+            if self.on_skip is not None:
+                self.on_skip(kind)
+
     def drain(self) -> tuple[list[int], list[Skip]]:
         """Stream positions and skips to account with the batch being delivered."""
         positions = [p for p, _ in self.pending]

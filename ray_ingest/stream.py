@@ -31,6 +31,7 @@ from ray_ingest.collate import Batch, to_batch
 from ray_ingest.columns import ACTOR, BYTES, ERROR, NODE, READ_NODE, SEQ, T_DECODE, T_READ
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
+from ray_ingest.group import GroupShare
 from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window
@@ -66,12 +67,16 @@ class IngestLoader:
         start_index, start_epoch: PiD's ``WDS_START_INDEX``/``WDS_EPOCH_NUM`` starting point.
         open_execution: builds the read+decode stage for a list of read items (default: a Ray
             Data execution, :class:`ray_ingest.pipeline.Execution`); tests pass an in-process one.
+        share: this rank's :class:`~ray_ingest.group.GroupShare` when one rank of the parallel
+            group decodes for all (``loader.group_share``): the leader runs the pipeline and
+            sends its batches, the others receive them and build no pipeline.
     """
 
     def __init__(self, cfg: Config, topology: Topology, catalog: Catalog | None = None,
                  state: ReadState | None = None, device: Any = None, start_index: int = 0,
                  start_epoch: int = 0,
-                 open_execution: Callable[[list[ReadItem]], Execution] | None = None):
+                 open_execution: Callable[[list[ReadItem]], Execution] | None = None,
+                 share: GroupShare | None = None):
         import torch  # noqa: F401 - imported here, not on the first batch of the hot path
 
         if topology.group_size > 1 and not cfg.loader.ordered:
@@ -79,7 +84,9 @@ class IngestLoader:
             # states would diverge, and the merged state would skip what only one rank saw
             raise ConfigError(f"loader.ordered: expected true with parallel groups "
                               f"(group_size {topology.group_size}), got false")
-        self.cfg, self.topology, self.device = cfg, topology, device
+        if share is not None and topology.group_size == 1:
+            raise ConfigError("IngestLoader share: a group share needs train.group_size > 1")
+        self.cfg, self.topology, self.device, self.share = cfg, topology, device, share
         self.catalog = catalog or load_catalog(list(cfg.data.paths),
                                                modalities=cfg.data.modalities,
                                                storage_options=cfg.data.storage_options,
@@ -139,6 +146,9 @@ class IngestLoader:
         One execution reads as many of these epochs as ``loader.max_planned_items`` read items
         allow; leaving an epoch's batches unfinished (max_steps, an exception) closes it.
         """
+        if self.share is not None and not self.share.leader:
+            yield from self._follow(num_epochs)
+            return
         lc = self.cfg.loader
         strict = self.cfg.data.align == "strict"
         while self.state.epoch < num_epochs:
@@ -183,9 +193,42 @@ class IngestLoader:
             for cols, bucket in self.batcher.finish():
                 yield self._deliver(cols, bucket, plan)
             complete = True
+        except Exception as exc:
+            if self.share is not None:  # the followers wait for this epoch's next batch
+                self.share.send_error(plan.epoch, exc)
+            raise
         finally:
             if not complete:  # abandoned: stop reading and decoding in the background
                 window.close()
+        self.progress.end_epoch()
+        if self.share is not None:
+            self.share.send_end(plan.epoch)
+
+    def _follow(self, num_epochs: int) -> Iterator[tuple[int, Iterator[Batch]]]:
+        """A follower of a group share: the leader's batches and progress, epoch by epoch."""
+        while self.state.epoch < num_epochs:
+            epoch = self.state.epoch
+            yield epoch, self._follow_epoch(epoch)
+            if self.state.epoch == epoch:  # stopped early, like the leader
+                return
+
+    def _follow_epoch(self, epoch: int) -> Iterator[Batch]:
+        self.recorder.set_epoch(epoch)
+        while True:
+            t0 = time.perf_counter()
+            msg = self.share.receive(epoch)
+            waited = time.perf_counter() - t0
+            self.clock.wait += waited
+            self.recorder.on_wait(waited)
+            if msg.batch is None:
+                break
+            batch = msg.batch
+            self.skips.count(batch.skipped)
+            self.progress.deliver(msg.positions, batch.skipped)
+            self.clock.batches += 1
+            self.clock.samples += len(batch.keys)
+            self.recorder.on_batch(len(batch.keys))
+            yield batch
         self.progress.end_epoch()
 
     def _account(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -210,7 +253,10 @@ class IngestLoader:
         batch = to_batch(cols, self.cfg.decode, self.device, bucket=bucket, epoch=plan.epoch,
                          step=self.progress.step_in_epoch(plan))
         batch.skipped = skipped
-        self.progress.deliver([*cols[SEQ].tolist(), *positions], skipped)
+        consumed = [*cols[SEQ].tolist(), *positions]
+        if self.share is not None:
+            self.share.send_batch(batch, consumed)
+        self.progress.deliver(consumed, skipped)
         self.clock.transfer += time.perf_counter() - t0
         self.clock.batches += 1
         self.clock.samples += len(batch.keys)
@@ -224,8 +270,10 @@ class IngestLoader:
     def _ray_execution(self, items: list[ReadItem]) -> Execution:
         from ray_ingest.pipeline import Execution
 
-        return Execution(self.cfg, self.catalog, items, self.topology.world_size,
-                         self.recorder.tags, self.topology.rank)
+        # one pipeline per group when its leader decodes for it: a share of the cluster each
+        pipelines = self.topology.world_size // (self.topology.group_size if self.share else 1)
+        return Execution(self.cfg, self.catalog, items, pipelines, self.recorder.tags,
+                         self.topology.rank)
 
     def _keep_stats(self, stats: str) -> None:
         self.data_stats.append(stats)

@@ -134,8 +134,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         from ray_ingest.plan.detect import pid_env_start
 
         start_index, start_epoch = pid_env_start(os.environ)
+    share = None
+    if topo.group_size > 1 and cfg.loader.group_share == "broadcast":
+        from ray_ingest.group import GroupShare, dist_channel
+
+        # collective: every rank creates every group's process group
+        share = GroupShare(dist_channel(topo, device, cfg.loader.group_timeout_s), device)
     loader = IngestLoader(cfg, topo, catalog=catalog, state=state, device=device,
-                          start_index=start_index, start_epoch=start_epoch)
+                          start_index=start_index, start_epoch=start_epoch, share=share)
 
     audit_dir = config.get("audit_dir")
     ledger = None
@@ -206,10 +212,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 report(True, {})
                 loader.clock.compute += time.perf_counter() - t_step
                 t_step = time.perf_counter()
-                if (fail_at is not None and global_step == fail_at and rank == world - 1
+                fail_rank = config.get("fail_rank")
+                if (fail_at is not None and global_step == fail_at
+                        and rank == (world - 1 if fail_rank is None else fail_rank)
                         and fail_marker and not os.path.exists(fail_marker)):
                     with open(fail_marker, "w") as f:
                         f.write(str(global_step))
+                    if config.get("fail_hard"):
+                        os._exit(17)  # the process dies at once, as on a node or OOM kill
                     raise RuntimeError(f"injected failure after step {global_step}")
             loader.clock.compute += time.perf_counter() - t_step
             if last:
@@ -224,15 +234,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if max_steps is not None and global_step >= max_steps:
             break
     elapsed = time.perf_counter() - t_start
-    summary = {"final": True, "elapsed_s": elapsed, "samples": loader.clock.samples,
-               "samples_per_s": loader.clock.samples / elapsed if elapsed else 0.0,
-               "data_wait_frac": loader.clock.wait / elapsed if elapsed else 0.0,
+    clock = loader.clock
+    # Every rank's own line: decode/read CPU seconds and bytes this rank's pipeline spent (0 on
+    # a group share's followers), so a job's totals are sums over its output.
+    summary = {"final": True, "rank": rank, "slot": topo.slot, "elapsed_s": elapsed,
+               "samples": clock.samples,
+               "samples_per_s": clock.samples / elapsed if elapsed else 0.0,
+               "data_wait_s": clock.wait,
+               "data_wait_frac": clock.wait / elapsed if elapsed else 0.0,
+               "decode_cpu_s": clock.decode, "read_cpu_s": clock.read,
+               "bytes_read": clock.bytes_read,
+               "group_share": "off" if share is None else
+               ("leader" if share.leader else "follower"),
+               "executions": loader.executions,
                "first_loss": losses[0] if losses else None, "actors_seen": len(loader.actors_seen),
                "decode_nodes": dict(loader.decode_nodes), "read_nodes": dict(loader.read_nodes),
                "train_node": node_id,
                "stages": loader.stage_breakdown(elapsed)}
-    if rank == 0:
-        _say(f"[train] done: {json.dumps(summary)}")
+    _say(f"[train] done: {json.dumps(summary)}")
     report(True, summary)
 
 
@@ -252,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit-dir", help="append (epoch, step, keys) per consumed batch here")
     p.add_argument("--fail-at-step", type=int,
                    help="raise once on the last rank right after step N's checkpoint")
+    p.add_argument("--fail-rank", type=int,
+                   help="the rank that fails at --fail-at-step (default: the last rank)")
+    p.add_argument("--fail-hard", action="store_true",
+                   help="the failing rank's process exits at once instead of raising")
     p.add_argument("--num-cpus", type=int, default=8,
                    help="logical CPUs of the embedded local Ray (ignored when joining a cluster)")
     p.add_argument("--verbose", action="store_true",
@@ -322,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         "audit_dir": os.path.abspath(args.audit_dir) if args.audit_dir else None,
         "fail_at_step": args.fail_at_step,
         "fail_marker": fail_marker,
+        "fail_rank": args.fail_rank,
+        "fail_hard": args.fail_hard,
         "quiet": not args.verbose,
     }
     scaling_kw: dict[str, Any] = {}

@@ -2,7 +2,8 @@
 
 One run name, three trainer runs, each adding one way to stop and come back:
 
-1. 2 workers in one parallel group (group_size 2): a worker fails right after step 4's
+1. 2 workers in one parallel group (group_size 2, whose leader, rank 0, reads and decodes for
+   both: ``loader.group_share: broadcast``): the leader's process dies right after step 4's
    checkpoint (FailureConfig(max_failures=1) restarts the group), then the run stops at
    ``--max-steps`` in the middle of epoch 1;
 2. re-run with the same name and storage path: resumes mid-epoch 1, stops mid-epoch 2;
@@ -101,12 +102,17 @@ def latest_states(job) -> dict[str, ReadState]:
 @pytest.mark.ray
 @pytest.mark.train
 def test_failure_rerun_and_topology_change_are_exactly_once(ray_local, job):
-    # 1. a worker fails after step 4; the group restarts from that checkpoint; stop at step 13
+    # 1. the group's leader (the rank that decodes for both) dies after step 4; the group
+    # restarts from that checkpoint; stop at step 13
     train(job, "--num-workers", "2", "--group-size", "2", "--epochs", "3",
-          "--max-steps", "13", "--fail-at-step", "4")
+          "--max-steps", "13", "--fail-at-step", "4", "--fail-rank", "0", "--fail-hard")
     assert os.path.exists(os.path.join(job["storage"], f"{job['name']}.failed_once"))
     starts = {r: [x for x in recs if x.get("event") == "start"] for r, recs in ledger(job).items()}
-    assert {r: [s["resume_step"] for s in v] for r, v in starts.items()} == {0: [0, 4], 1: [0, 4]}
+    resumed = {r: [s["resume_step"] for s in v] for r, v in starts.items()}
+    # A process that dies right after ray.train.report may die before Ray Train's controller
+    # committed that checkpoint: the group then restarts from step 2's, and the audit below
+    # rolls back the batches trained after it.
+    assert resumed in ({0: [0, 4], 1: [0, 4]}, {0: [0, 2], 1: [0, 2]}), resumed
     # attempts are numbered by rank 0 and broadcast: the same on both ranks; no wall clock
     assert {r: [s["attempt"] for s in v] for r, v in starts.items()} == {0: [0, 1], 1: [0, 1]}
     assert not [x for recs in ledger(job).values() for x in recs if "t" in x]
