@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.workers} ranks, {args.samples} samples x {args.epochs} epoch(s), "
           f"{args.res} px, medians of {args.runs} runs")
     print("group  share      pipelines  decode ms/uniq  (x g1)  bytes/uniq  (x g1)  "
-          "data-wait s  (x g1)  wait frac")
+          "data-wait s  (x g1)  (x off)  wait frac")
     for c in cases:
+        off = (c[0], "off")
         print(f"{c[0]:>5}  {c[1]:<9}  {med(c, 'pipelines'):>9.0f}  "
               f"{med(c, 'decode_cpu_ms_per_unique'):>14.2f}  "
               f"{med(c, 'decode_cpu_ms_per_unique') / med(base, 'decode_cpu_ms_per_unique'):>6.2f}"
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{med(c, 'bytes_per_unique') / med(base, 'bytes_per_unique'):>6.2f}  "
               f"{med(c, 'data_wait_s_mean'):>11.2f}  "
               f"{med(c, 'data_wait_s_mean') / med(base, 'data_wait_s_mean'):>6.2f}  "
+              f"{med(c, 'data_wait_s_mean') / med(off, 'data_wait_s_mean'):>7.2f}  "
               f"{med(c, 'data_wait_frac_mean'):>9.1%}")
     return 0
 

@@ -251,8 +251,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                "decode_nodes": dict(loader.decode_nodes), "read_nodes": dict(loader.read_nodes),
                "train_node": node_id,
                "stages": loader.stage_breakdown(elapsed)}
-    _say(f"[train] done: {json.dumps(summary)}")
+    for line in _gather_on_rank0(summary, rank, world):
+        _say(f"[train] done: {json.dumps(line)}")
     report(True, summary)
+
+
+def _gather_on_rank0(summary: dict[str, Any], rank: int, world: int) -> list[dict[str, Any]]:
+    """Every rank's final summary, printed by rank 0 in rank order (lines of several processes
+    that differ only in numbers would be folded by Ray's log deduplication)."""
+    import torch.distributed as dist
+
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [summary]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, summary)
+    return out if rank == 0 else []
 
 
 def build_parser() -> argparse.ArgumentParser:
