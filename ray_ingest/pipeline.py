@@ -115,6 +115,27 @@ class HoldScaleDown(ExecutionCallback):
         scaler._derive_target_scaling_config = held
 
 
+def warm_up() -> None:
+    """Start Ray Data's per-cluster actors now, ahead of the first execution.
+
+    The first execution in a cluster creates a stats actor and an autoscaling coordinator, each
+    a new process importing ``ray.data``; its actor pool is not scheduled until the coordinator
+    answers. A driver that calls this right after ``ray.init`` (the job does, while Ray Train
+    starts its workers) takes both start-ups off the first batch's path. Best effort: a Ray
+    whose internals differ only loses the head start.
+    """
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.stats import get_or_create_stats_actor
+
+        get_or_create_stats_actor()
+        get_or_create_autoscaling_coordinator()
+    except Exception as exc:  # a head start only: never fail a job over it
+        log.debug("Ray Data warm-up skipped: %s", exc)
+
+
 @contextlib.contextmanager
 def _current(ctx: DataContext) -> Iterator[None]:
     """Build datasets under ``ctx`` (each copies the current context when created)."""
@@ -228,6 +249,10 @@ class Execution:
                                         prefetch_batches=cfg.loader.prefetch_batches))
         self._handoff = Handoff(it, cfg.loader.stall_timeout_s, self._stalled)
         self.finished = False
+
+    def start(self) -> None:
+        """Start the execution now: its first block is fetched in the background."""
+        self._handoff.prime()
 
     def blocks(self) -> Iterator[dict[str, np.ndarray]]:
         """Decoded column blocks in stream order; read/decode errors as one-line IngestErrors."""

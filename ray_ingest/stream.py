@@ -118,6 +118,8 @@ class IngestLoader:
         #: tasks themselves (``__node__`` / ``__read_node__``).
         self.decode_nodes: dict[str, int] = {}
         self.read_nodes: dict[str, int] = {}
+        #: A window opened by :meth:`start`: ((state, num_epochs) it was planned for, window).
+        self._started: tuple[tuple[ReadState, int], EpochWindow] | None = None
 
     @property
     def state(self) -> ReadState:
@@ -149,21 +151,14 @@ class IngestLoader:
         if self.share is not None and not self.share.leader:
             yield from self._follow(num_epochs)
             return
-        lc = self.cfg.loader
-        strict = self.cfg.data.align == "strict"
         while self.state.epoch < num_epochs:
-            # Unordered rows of a non-positional alignment cannot tell when an epoch is complete
-            # before the execution ends: one epoch per execution then.
-            last = num_epochs if (lc.ordered or strict) else self.state.epoch + 1
-            plans = plan_window(self.state, self.topology, self.counts, self.catalog.chunk_size,
-                                lc.batch_size, last, shard_bucket=self.shard_bucket,
-                                block_rows=block_rows(self.cfg) if strict else None,
-                                max_items=lc.max_planned_items,
-                                first_rows=lc.batch_size if strict else None)
+            started, self._started = self._started, None
             # The window lives while this generator or an epoch's batches refer to it.
-            window = EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
-                                 clock=self.clock, on_stats=self._keep_stats,
-                                 on_wait=self.recorder.on_wait)
+            window = (started[1] if started and started[0] == (self.state, num_epochs)
+                      else self._window(num_epochs))
+            if started and window is not started[1]:
+                started[1].close()
+            plans = window.plans
             for plan in plans:
                 yield plan.epoch, self._epoch(plan, window)
                 if self.state.epoch == plan.epoch:  # stopped early (max_steps): keep position
@@ -171,8 +166,38 @@ class IngestLoader:
                     return
             window.close()
 
+    def start(self, num_epochs: int) -> None:
+        """Start reading and decoding the first epochs now, before :meth:`epochs` asks.
+
+        The execution's start-up (decode actors are new processes) then overlaps with whatever
+        the caller does before its loop (building and wrapping the model, restoring it); the
+        next :meth:`epochs` call with the same ``num_epochs`` continues it. Nothing is consumed:
+        the read state is unchanged. A follower of a group share has nothing to start.
+        """
+        if self.share is not None and not self.share.leader:
+            return
+        if self._started is None and self.state.epoch < num_epochs:
+            window = self._window(num_epochs)
+            window.open()
+            self._started = ((self.state, num_epochs), window)
+
+    def _window(self, num_epochs: int) -> EpochWindow:
+        lc = self.cfg.loader
+        strict = self.cfg.data.align == "strict"
+        # Unordered rows of a non-positional alignment cannot tell when an epoch is complete
+        # before the execution ends: one epoch per execution then.
+        last = num_epochs if (lc.ordered or strict) else self.state.epoch + 1
+        plans = plan_window(self.state, self.topology, self.counts, self.catalog.chunk_size,
+                            lc.batch_size, last, shard_bucket=self.shard_bucket,
+                            block_rows=block_rows(self.cfg) if strict else None,
+                            max_items=lc.max_planned_items,
+                            first_rows=lc.batch_size if strict else None)
+        return EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
+                           clock=self.clock, on_stats=self._keep_stats,
+                           on_wait=self.recorder.on_wait)
+
     def _epoch(self, plan: EpochPlan, window: EpochWindow) -> Iterator[Batch]:
-        log.info("rank %d slot %d epoch %d: %d read items, %d/%d batches done", self.topology.rank,
+        log.debug("rank %d slot %d epoch %d: %d read items, %d/%d batches done", self.topology.rank,
                  plan.slot, plan.epoch, len(plan.items), plan.done_batches, plan.total_batches)
         self.skips.load_state({"epoch": plan.epoch, "skips": list(self.state.skips)})
         self.recorder.set_epoch(plan.epoch)

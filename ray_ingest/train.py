@@ -127,8 +127,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             model.load_state_dict(torch.load(os.path.join(d, MODEL_FILE), weights_only=True))
             with open(os.path.join(d, TRAIN_FILE)) as f:
                 global_step = json.load(f)["global_step"]
-    model = ray.train.torch.prepare_model(model)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.train.learning_rate)
     start_index, start_epoch = 0, 0
     if cfg.loader.pid_env and cfg.loader.seed_mode == "pid" and state is None:
         from ray_ingest.plan.detect import pid_env_start
@@ -142,6 +140,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         share = GroupShare(dist_channel(topo, device, cfg.loader.group_timeout_s), device)
     loader = IngestLoader(cfg, topo, catalog=catalog, state=state, device=device,
                           start_index=start_index, start_epoch=start_epoch, share=share)
+    done = cfg.train.max_steps is not None and global_step >= cfg.train.max_steps
+    if not done:
+        loader.start(cfg.train.epochs)  # decode actors start while the model is wrapped
+    model = ray.train.torch.prepare_model(model)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.train.learning_rate)
 
     audit_dir = config.get("audit_dir")
     ledger = None
@@ -179,7 +182,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     json.dump({"global_step": global_step}, f)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
-    done = max_steps is not None and global_step >= max_steps
     for epoch, batches in ([] if done else loader.epochs(cfg.train.epochs)):
         for batch in batches:
             # Everything the loop does between two batches counts as compute (the model step,
@@ -339,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                 quiet=not args.verbose))
     if not args.verbose:
         quiet.filter_driver_output()
+    from ray_ingest.pipeline import warm_up
+
+    warm_up()  # Ray Data's cluster actors start while Ray Train starts its workers
     try:
         catalog = load_catalog(list(cfg.data.paths), modalities=cfg.data.modalities,
                                storage_options=cfg.data.storage_options, root=cfg.data.root)

@@ -30,6 +30,8 @@ class Execution(Protocol):
 
     def stats(self) -> str | None: ...
 
+    # optional: ``start()`` begins reading before the first block is asked for
+
     def close(self) -> None: ...
 
 
@@ -91,6 +93,15 @@ class EpochWindow:
             # all planned rows are in: the execution must end (and report its statistics)
             raise RuntimeError(f"epoch {plan.epoch}: more rows than planned: a planning bug")
 
+    def open(self) -> None:
+        """Build and start the execution now (it reads ahead of the first request)."""
+        if self._blocks is None and not self._closed and any(p.items for p in self.plans):
+            self._execution = self._open([it for p in self.plans for it in p.items])
+            self._blocks = self._execution.blocks()
+            start = getattr(self._execution, "start", None)
+            if start is not None:
+                start()
+
     def _next(self) -> Block | None:
         if self._ended:
             return None
@@ -98,8 +109,7 @@ class EpochWindow:
         try:
             if self._blocks is None:
                 # building and starting the execution blocks the train loop too
-                self._execution = self._open([it for p in self.plans for it in p.items])
-                self._blocks = self._execution.blocks()
+                self.open()
             block = next(self._blocks, None)
         finally:
             waited = time.perf_counter() - t0
@@ -158,14 +168,28 @@ class Handoff:
         self._want: queue.Queue[bool] = queue.Queue()
         self._got: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._primed = False
+
+    def prime(self) -> None:
+        """Ask for the first item now, in the helper thread (the source starts working)."""
+        if self._thread is None:
+            self._start()
+            self._want.put(True)
+            self._primed = True
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._pump, name="ray_ingest-handoff",
+                                        daemon=True)
+        self._thread.start()
 
     def __iter__(self) -> Iterator[Any]:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._pump, name="ray_ingest-handoff",
-                                            daemon=True)
-            self._thread.start()
+            self._start()
         while True:
-            self._want.put(True)
+            if self._primed:
+                self._primed = False
+            else:
+                self._want.put(True)
             try:
                 ok, value = self._got.get(timeout=self._timeout)
             except queue.Empty:

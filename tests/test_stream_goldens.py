@@ -149,3 +149,31 @@ def test_golden(request, plain, bucketed, corrupt, tmp_path, case, engine):
         GOLDEN.write_text(json.dumps(goldens, indent=0, sort_keys=True) + "\n")
     assert case in goldens, f"no golden for {case}: record with RAY_INGEST_WRITE_GOLDENS=1"
     assert got == goldens[case]
+
+
+def test_started_loader_delivers_the_goldens_from_one_execution(plain):
+    """``IngestLoader.start`` opens the first window's execution before ``epochs`` asks (the
+    job overlaps decode start-up with model setup); it consumes nothing: the same batches."""
+    cfg = _cfg(plain)
+    catalog = load_catalog(list(cfg.data.paths))
+    opened: list[LocalExecution] = []
+
+    def opener(items):
+        opened.append(LocalExecution(cfg, catalog, items))
+        return opened[-1]
+
+    loader = IngestLoader(cfg, Topology(2, 0, cfg.loader.read_workers), catalog=catalog,
+                          open_execution=opener)
+    before = loader.state
+    loader.start(3)
+    assert len(opened) == 1 and loader.state == before and loader.clock.batches == 0
+    got = [_record(epoch, b) for epoch, batches in loader.epochs(3) for b in batches]
+    assert json.loads(json.dumps(got)) == json.loads(GOLDEN.read_text())["epoch_mode"]["0"]
+    assert len(opened) == 1  # the started execution, not a second one
+    # started for other epochs than asked: that window is closed, a new one opened
+    loader = IngestLoader(cfg, Topology(2, 0, cfg.loader.read_workers), catalog=catalog,
+                          open_execution=opener)
+    loader.start(1)
+    got = [_record(epoch, b) for epoch, batches in loader.epochs(3) for b in batches]
+    assert json.loads(json.dumps(got)) == json.loads(GOLDEN.read_text())["epoch_mode"]["0"]
+    assert len(opened) == 3 and opened[1].closed
