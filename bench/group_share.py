@@ -80,6 +80,7 @@ def run_job(data: str, args: argparse.Namespace, group: int, share: str, tmp: st
         "data_wait_frac_mean": statistics.mean(d["data_wait_frac"] for d in ranks.values()),
         "loop_s_mean": statistics.mean(d["elapsed_s"] for d in ranks.values()),
         "pipelines": sum(1 for d in ranks.values() if d["executions"]),
+        "data_wait_s_by_rank": [round(ranks[r]["data_wait_s"], 3) for r in sorted(ranks)],
     }
 
 

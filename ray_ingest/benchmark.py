@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from ray_ingest.pipeline import warm_up
+
+    warm_up()  # as the job's driver does right after ray.init (ray_ingest.train.main)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.execution_options.verbose_progress = False

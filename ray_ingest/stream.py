@@ -31,7 +31,7 @@ from ray_ingest.collate import Batch, to_batch
 from ray_ingest.columns import ACTOR, BYTES, ERROR, NODE, READ_NODE, SEQ, T_DECODE, T_READ
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
-from ray_ingest.group import GroupShare
+from ray_ingest.group import GroupShare, Message
 from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window
@@ -40,7 +40,7 @@ from ray_ingest.plan.topology import Topology
 from ray_ingest.progress import Progress
 from ray_ingest.sizing import block_rows
 from ray_ingest.skips import SkipFilter
-from ray_ingest.window import EpochWindow, Execution
+from ray_ingest.window import EpochWindow, Execution, Handoff
 
 __all__ = ["STATE_DIR", "Batch", "IngestLoader", "StageClock", "plan_params", "state_file"]
 
@@ -118,6 +118,8 @@ class IngestLoader:
         #: tasks themselves (``__node__`` / ``__read_node__``).
         self.decode_nodes: dict[str, int] = {}
         self.read_nodes: dict[str, int] = {}
+        #: A group leader's production clock (one batch ahead, in a helper thread).
+        self._ahead_clock = StageClock()
         #: A window opened by :meth:`start`: ((state, num_epochs) it was planned for, window).
         self._started: tuple[tuple[ReadState, int], EpochWindow] | None = None
 
@@ -159,8 +161,9 @@ class IngestLoader:
             if started and window is not started[1]:
                 started[1].close()
             plans = window.plans
+            deliver = self._lead_epoch if self.share is not None else self._plain_epoch
             for plan in plans:
-                yield plan.epoch, self._epoch(plan, window)
+                yield plan.epoch, deliver(plan, window)
                 if self.state.epoch == plan.epoch:  # stopped early (max_steps): keep position
                     window.close()
                     return
@@ -192,16 +195,24 @@ class IngestLoader:
                             block_rows=block_rows(self.cfg) if strict else None,
                             max_items=lc.max_planned_items,
                             first_rows=lc.batch_size if strict else None)
+        # A group leader produces one batch ahead in a helper thread: its waits there are not
+        # the train loop's (that one is timed where it takes each batch).
+        ahead = self.share is not None
         return EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
-                           clock=self.clock, on_stats=self._keep_stats,
-                           on_wait=self.recorder.on_wait)
+                           clock=self._ahead_clock if ahead else self.clock,
+                           on_stats=self._keep_stats,
+                           on_wait=None if ahead else self.recorder.on_wait)
 
-    def _epoch(self, plan: EpochPlan, window: EpochWindow) -> Iterator[Batch]:
+    def _epoch(self, plan: EpochPlan, window: EpochWindow
+               ) -> Iterator[tuple[Batch, list[int]]]:
+        """The epoch's batches, made but not yet delivered: (batch, stream positions consumed)."""
         log.debug("rank %d slot %d epoch %d: %d read items, %d/%d batches done", self.topology.rank,
-                 plan.slot, plan.epoch, len(plan.items), plan.done_batches, plan.total_batches)
+                  plan.slot, plan.epoch, len(plan.items), plan.done_batches, plan.total_batches)
         self.skips.load_state({"epoch": plan.epoch, "skips": list(self.state.skips)})
         self.recorder.set_epoch(plan.epoch)
         self.batcher.start_epoch(plan.done_batches, plan.total_batches)
+        clock = window.clock
+        step = self.progress.step_in_epoch(plan)
         complete = False
         try:
             for block in window.blocks_of(plan):
@@ -211,12 +222,14 @@ class IngestLoader:
                     continue
                 t0 = time.perf_counter()
                 for cols, bucket in self.batcher.add(block):
-                    self.clock.assemble += time.perf_counter() - t0
-                    yield self._deliver(cols, bucket, plan)
+                    clock.assemble += time.perf_counter() - t0
+                    yield self._make(cols, bucket, plan, step, clock)
+                    step += 1
                     t0 = time.perf_counter()
-                self.clock.assemble += time.perf_counter() - t0
+                clock.assemble += time.perf_counter() - t0
             for cols, bucket in self.batcher.finish():
-                yield self._deliver(cols, bucket, plan)
+                yield self._make(cols, bucket, plan, step, clock)
+                step += 1
             complete = True
         except Exception as exc:
             if self.share is not None:  # the followers wait for this epoch's next batch
@@ -225,9 +238,35 @@ class IngestLoader:
         finally:
             if not complete:  # abandoned: stop reading and decoding in the background
                 window.close()
+
+    def _plain_epoch(self, plan: EpochPlan, window: EpochWindow) -> Iterator[Batch]:
+        for batch, consumed in self._epoch(plan, window):
+            self._hand(batch, consumed)
+            yield batch
         self.progress.end_epoch()
-        if self.share is not None:
+
+    def _lead_epoch(self, plan: EpochPlan, window: EpochWindow) -> Iterator[Batch]:
+        """A group share's leader: batch k+1 is made and broadcast while batch k trains.
+
+        One message is in flight at a time, as on the followers (:meth:`_follow_epoch`), so a
+        train loop that stops after batch k leaves no broadcast half done: the k+1 in flight
+        completes on every rank of the group and is dropped unrecorded everywhere.
+        """
+
+        def made() -> Iterator[tuple[Batch, list[int]]]:
+            for batch, consumed in self._epoch(plan, window):
+                self.share.send_batch(batch, consumed)
+                yield batch, consumed
             self.share.send_end(plan.epoch)
+
+        ahead = Handoff(made(), None, _no_stall, ahead=True)
+        try:
+            for batch, consumed in self._timed(ahead):
+                self._hand(batch, consumed)
+                yield batch
+        finally:
+            ahead.close()
+        self.progress.end_epoch()
 
     def _follow(self, num_epochs: int) -> Iterator[tuple[int, Iterator[Batch]]]:
         """A follower of a group share: the leader's batches and progress, epoch by epoch."""
@@ -238,23 +277,42 @@ class IngestLoader:
                 return
 
     def _follow_epoch(self, epoch: int) -> Iterator[Batch]:
+        """The leader's messages of ``epoch``; the next one is received while this one trains."""
         self.recorder.set_epoch(epoch)
+
+        def received() -> Iterator[Message]:
+            while True:
+                msg = self.share.receive(epoch)
+                yield msg
+                if msg.batch is None:
+                    return
+
+        ahead = Handoff(received(), None, _no_stall, ahead=True)
+        try:
+            for msg in self._timed(ahead):
+                if msg.batch is None:
+                    break
+                self.skips.count(msg.batch.skipped)
+                self._hand(msg.batch, msg.positions)
+                yield msg.batch
+        finally:
+            ahead.close()
+        self.progress.end_epoch()
+
+    def _timed(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items``, the train loop's wait for each one counted as data wait."""
+        it = iter(items)
         while True:
             t0 = time.perf_counter()
-            msg = self.share.receive(epoch)
-            waited = time.perf_counter() - t0
-            self.clock.wait += waited
-            self.recorder.on_wait(waited)
-            if msg.batch is None:
-                break
-            batch = msg.batch
-            self.skips.count(batch.skipped)
-            self.progress.deliver(msg.positions, batch.skipped)
-            self.clock.batches += 1
-            self.clock.samples += len(batch.keys)
-            self.recorder.on_batch(len(batch.keys))
-            yield batch
-        self.progress.end_epoch()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                waited = time.perf_counter() - t0
+                self.clock.wait += waited
+                self.recorder.on_wait(waited)
+            yield item
 
     def _account(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Move a block's instrumentation columns into the clock and the observed actors."""
@@ -272,21 +330,22 @@ class IngestLoader:
         self.clock.decode += float(block.pop(T_DECODE).sum())
         return block
 
-    def _deliver(self, cols: dict[str, np.ndarray], bucket: str, plan: EpochPlan) -> Batch:
+    def _make(self, cols: dict[str, np.ndarray], bucket: str, plan: EpochPlan, step: int,
+              clock: StageClock) -> tuple[Batch, list[int]]:
         t0 = time.perf_counter()
         positions, skipped = self.skips.drain()
         batch = to_batch(cols, self.cfg.decode, self.device, bucket=bucket, epoch=plan.epoch,
-                         step=self.progress.step_in_epoch(plan))
+                         step=step)
         batch.skipped = skipped
-        consumed = [*cols[SEQ].tolist(), *positions]
-        if self.share is not None:
-            self.share.send_batch(batch, consumed)
-        self.progress.deliver(consumed, skipped)
-        self.clock.transfer += time.perf_counter() - t0
+        clock.transfer += time.perf_counter() - t0
+        return batch, [*cols[SEQ].tolist(), *positions]
+
+    def _hand(self, batch: Batch, consumed: list[int]) -> None:
+        """The train loop takes ``batch``: only now is it consumed (what a checkpoint saves)."""
+        self.progress.deliver(consumed, batch.skipped)
         self.clock.batches += 1
         self.clock.samples += len(batch.keys)
         self.recorder.on_batch(len(batch.keys))
-        return batch
 
     def _count(self, items: list[ReadItem]) -> Execution:
         self.executions += 1
@@ -324,3 +383,7 @@ def _count_nodes(counts: dict[str, int], nodes: np.ndarray | None) -> None:
         return
     for node, n in zip(*np.unique(nodes.astype(str), return_counts=True), strict=True):
         counts[str(node)] = counts.get(str(node), 0) + int(n)
+
+
+def _no_stall(timeout: float) -> BaseException:  # Handoff without a timeout never calls it
+    return RuntimeError(f"no batch within {timeout} s")

@@ -57,6 +57,8 @@ class EpochWindow:
         self.exact, self.ordered = exact, ordered
         self._open = open_execution
         self._clock = clock or StageClock()
+        #: Where the window counts its waits (and the batches made from it their assembly).
+        self.clock = self._clock
         self._on_stats = on_stats
         self._on_wait = on_wait
         self._execution: Execution | None = None
@@ -160,15 +162,18 @@ class Handoff:
         source: the iterator to pull from (a generator is closed on :meth:`close`).
         timeout_s: longest wait for one item (None: forever).
         on_stall: builds the exception raised when a wait exceeds ``timeout_s``.
+        ahead: ask for the next item as soon as one is handed over (one item in flight while
+            the consumer works; :meth:`close` lets it finish, then closes ``source``).
     """
 
     def __init__(self, source: Iterator[Any], timeout_s: float | None,
-                 on_stall: Callable[[float], BaseException]):
+                 on_stall: Callable[[float], BaseException], *, ahead: bool = False):
         self._source, self._timeout, self._on_stall = source, timeout_s, on_stall
         self._want: queue.Queue[bool] = queue.Queue()
         self._got: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._primed = False
+        self._ahead = ahead
 
     def prime(self) -> None:
         """Ask for the first item now, in the helper thread (the source starts working)."""
@@ -198,6 +203,9 @@ class Handoff:
                 raise value
             if value is _END:
                 return
+            if self._ahead:  # the next item is made while the consumer works on this one
+                self._want.put(True)
+                self._primed = True
             yield value
 
     def _pump(self) -> None:

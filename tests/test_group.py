@@ -11,6 +11,7 @@ Neither needs Ray (the read and decode stages run in the rank's process).
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -179,10 +180,12 @@ def test_gloo_leader_death_is_a_clear_bounded_error(plain, tmp_path):  # noqa: F
                          fail={"rank": 0, "after": 3, "how": "exit"}))
     assert res[0] is None  # the leader died
     err = res[1]["error"]
-    assert err.startswith("GroupError: group 0 (ranks 0-1, leader 0): no message from the "
-                          "leader for epoch 0 batch 3"), err
+    # the leader makes and sends batch k+1 while batch k trains: it died with batch 3 sent or not
+    m = re.match(r"GroupError: group 0 \(ranks 0-1, leader 0\): no message from the leader for "
+                 r"epoch 0 batch (\d+) ", err)
+    assert m and int(m.group(1)) in (3, 4), err
     assert "\n" not in err
-    assert len(res[1]["records"]) == 3
+    assert len(res[1]["records"]) == int(m.group(1))  # everything that arrived, and no more
     assert time.monotonic() - t0 < 60  # a dead peer is noticed, not waited out
 
 
@@ -191,9 +194,10 @@ def test_gloo_leader_hang_is_bounded_by_the_group_timeout(plain, tmp_path):  # n
                     _job(_cfg(plain), 2, 1, timeout_s=2,
                          fail={"rank": 0, "after": 2, "how": "sleep", "sleep_s": 8}))
     err = res[1]["error"]
+    # batch 2 was made and sent ahead while the leader's loop trained batch 1, then it hung
     assert err.startswith("GroupError: group 0 (ranks 0-1, leader 0): no message from the "
-                          "leader for epoch 0 batch 2"), err
-    assert "group_timeout_s" in err
+                          "leader for epoch 0 batch 3"), err
+    assert "group_timeout_s" in err and len(res[1]["records"]) == 3
     # the leader wakes to a group without its follower: its next send fails, it does not hang
     assert res[0]["error"].startswith("GroupError: group 0"), res[0]["error"]
 
