@@ -32,6 +32,7 @@ from ray_ingest.columns import ACTOR, BYTES, ERROR, NODE, READ_NODE, SEQ, T_DECO
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
 from ray_ingest.group import GroupShare, Message
+from ray_ingest.headstart import HEAD_ACTOR, HeadStart, LocalExecution
 from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window
@@ -118,6 +119,8 @@ class IngestLoader:
         #: tasks themselves (``__node__`` / ``__read_node__``).
         self.decode_nodes: dict[str, int] = {}
         self.read_nodes: dict[str, int] = {}
+        #: Head starts of this loader's executions (ray_ingest.headstart).
+        self._heads: list[HeadStart] = []
         #: A group leader's production clock (one batch ahead, in a helper thread).
         self._ahead_clock = StageClock()
         #: A window opened by :meth:`start`: ((state, num_epochs) it was planned for, window).
@@ -318,9 +321,10 @@ class IngestLoader:
         """Move a block's instrumentation columns into the clock and the observed actors."""
         actors = block.pop(ACTOR, None)
         if actors is not None and len(actors):
-            ids = actors.tolist()
-            self.actors_seen.update(ids)
-            self.recorder.on_actors(ids)
+            ids = [a for a in actors.tolist() if a != HEAD_ACTOR]
+            if ids:  # rows of the head start are not the pool's
+                self.actors_seen.update(ids)
+                self.recorder.on_actors(ids)
         _count_nodes(self.decode_nodes, block.pop(NODE, None))
         _count_nodes(self.read_nodes, block.pop(READ_NODE, None))
         sizes = block.pop(BYTES, None)
@@ -356,8 +360,14 @@ class IngestLoader:
 
         # one pipeline per group when its leader decodes for it: a share of the cluster each
         pipelines = self.topology.world_size // (self.topology.group_size if self.share else 1)
-        return Execution(self.cfg, self.catalog, items, pipelines, self.recorder.tags,
-                         self.topology.rank)
+        remote = Execution(self.cfg, self.catalog, items, pipelines, self.recorder.tags,
+                           self.topology.rank)
+        lc = self.cfg.loader
+        if not (lc.head_start_rows and lc.ordered) or self.cfg.decode.label_selector:
+            return remote
+        local = LocalExecution(self.cfg, self.catalog, items, self.recorder.tags)
+        self._heads.append(HeadStart(local, remote, items, lc.head_start_rows))
+        return self._heads[-1]
 
     def _keep_stats(self, stats: str) -> None:
         self.data_stats.append(stats)
@@ -372,6 +382,8 @@ class IngestLoader:
         """Stage timings and counters collected so far (see docs/observability)."""
         return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
                 "executions": self.executions,
+                "head_start_rows": sum(h.head_rows for h in self._heads),
+                "head_start_dropped": sum(h.dropped_rows for h in self._heads),
                 "decode_nodes": dict(self.decode_nodes), "read_nodes": dict(self.read_nodes),
                 "skips_in_epoch": len(self.state.skips),
                 "skips_total": sum(self.skips_by_kind.values()),

@@ -32,6 +32,8 @@ from tests.datagen import write_tar
 from tests.local_execution import LocalExecution
 
 GOLDEN = Path(__file__).parent / "goldens" / "stream.json"
+#: "ray" (the real Ray Data execution) or "local" (tests/local_execution.py), set per test.
+ENGINE = ["ray"]
 WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
 
 
@@ -66,6 +68,8 @@ def corrupt(plain, tmp_path_factory) -> str:
 
 
 def _cfg(path: str, decode: dict[str, Any] | None = None, **loader: Any):
+    if ENGINE[0] == "ray":  # the Ray edge alone (the head start is a test of its own)
+        loader.setdefault("head_start_rows", 0)
     return config_from_dict({
         "data": {"paths": [path]},
         "decode": {"resolution": 24, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
@@ -81,8 +85,6 @@ def _record(epoch: int, b) -> list[Any]:
             hashlib.sha1(b["image"].numpy().tobytes()).hexdigest()]
 
 
-#: "ray" (the real Ray Data execution) or "local" (tests/local_execution.py), set per test.
-ENGINE = ["ray"]
 
 
 def _run(cfg, topo: Topology, epochs: int, state=None, stop_after: int | None = None,
@@ -177,3 +179,17 @@ def test_started_loader_delivers_the_goldens_from_one_execution(plain):
     got = [_record(epoch, b) for epoch, batches in loader.epochs(3) for b in batches]
     assert json.loads(json.dumps(got)) == json.loads(GOLDEN.read_text())["epoch_mode"]["0"]
     assert len(opened) == 3 and opened[1].closed
+
+
+@pytest.mark.ray
+def test_head_start_then_the_pool_delivers_the_goldens(ray_local, plain):
+    """The default head start: the first rows decoded in this process, the rest by the Ray
+    Data execution, which drops what the head delivered: the same batches as either alone."""
+    ENGINE[0] = "head"
+    cfg = _cfg(plain, head_start_rows=16)
+    got = json.loads(json.dumps(_ranks(cfg, world=2, epochs=3)))
+    assert got == json.loads(GOLDEN.read_text())["epoch_mode"]
+    _, loader = _run(cfg, Topology(2, 0, cfg.loader.read_workers), 1)
+    m = loader.metrics()
+    assert 16 <= m["head_start_rows"] < sum(m["decode_nodes"].values())
+    assert m["head_start_rows"] == m["head_start_dropped"] and m["actors_seen"] >= 1
