@@ -194,11 +194,11 @@ class LoaderConfig(PlanSettings):
     #: Decode actors read their own items (no read tasks, no raw bytes through the object
     #: store); false: read tasks (``read_concurrency``, ``read_num_cpus``) feed the actors.
     fused_read: bool = True
-    #: Rows of an execution's first items the consumer's own process reads and decodes while
-    #: the decode actors start (ray_ingest.headstart): it stops as soon as the pool delivers
-    #: rows it has not. 0: off. Only with ordered delivery, and never with a
+    #: Batches of an execution's first items that the consumer's own process reads and
+    #: decodes while the decode actors start (ray_ingest.headstart); the execution reads the
+    #: items after them. 0: off. Only with ordered delivery, and never with a
     #: ``decode.label_selector`` (decoding is meant for those nodes then).
-    head_start_rows: int = attrs.field(default=1024, validator=_at_least(0))
+    head_start_batches: int = attrs.field(default=2, validator=_at_least(0))
     #: Logical CPUs this rank's Ray Data execution may use (read tasks + decode actors).
     #: None: an equal share of the cluster, its CPUs / the number of ranks.
     cpu_limit: float | None = attrs.field(default=None, validator=_opt_at_least(0.0))

@@ -1,28 +1,21 @@
-"""Head start: the first read items decoded in the consumer's process while the pool starts.
+"""Head start: an execution's first items decoded in the consumer's process while the pool starts.
 
 A Ray Data execution's decode actors are new processes; on a small node they take seconds to
 start (each imports ``ray.data``) before the first block arrives, once per job and once per
-resume. Meanwhile the consumer's process, which already has the read and decode code loaded,
-reads and decodes the first items itself, in a helper thread, one item ahead of the consumer.
-The Ray execution reads *all* items from the first, in order; its rows that the head already
-delivered are dropped as they arrive, and the head stops as soon as the execution delivers a row
-the head has not (or after ``loader.head_start_rows`` rows); a head that delivers every item
-ends the execution unused. The delivered rows are the same
-either way (the same read and decode code, in stream order); what the head costs is the
-duplicated work of the items both decoded, during start-up only.
-
-Only for ordered executions (rows counted in stream order tell what was delivered). Errors of
-the head never surface: the head stops, and the execution, which reads the same items, reports
-what is really wrong. No Ray, no torch.
+resume. The consumer's process already has the read and decode code loaded: it reads and decodes
+the first ``loader.head_start_batches`` batches' items itself, in a helper thread one block ahead
+of the consumer, while the Ray execution, which reads only the items after them, starts. The
+delivered rows are the same (the same read and decode code, in stream order) and no item is
+decoded twice. What it buys is the train loop's first steps (and their one-off costs: CUDA
+context, autotuning, compilation) overlapping the pool's start, and errors in the data or the
+decode settings reported in a fraction of a second; the pool's first block arrives when it would
+have. No Ray, no torch.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -34,9 +27,7 @@ from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import read_options
 from ray_ingest.sizing import block_rows
 from ray_ingest.source import read_item
-from ray_ingest.window import Execution
-
-log = logging.getLogger(__name__)
+from ray_ingest.window import Execution, Handoff
 
 Block = dict[str, np.ndarray]
 
@@ -94,140 +85,66 @@ class LocalExecution:
         self.closed = True
 
 
+def split_head(items: Sequence[ReadItem], rows: int) -> tuple[list[ReadItem], list[ReadItem]]:
+    """The leading items holding at least ``rows`` rows (at least one item), and the rest."""
+    items = [it for it in items if it.count > 0]
+    n = total = 0
+    while n < len(items) and (n == 0 or total < rows):
+        total += items[n].count
+        n += 1
+    return items[:n], items[n:]
+
+
 class HeadStart:
-    """An :class:`~ray_ingest.window.Execution`: ``local`` serves the first items, ``remote``
-    the rest (see module docstring).
+    """An :class:`~ray_ingest.window.Execution`: ``local`` serves the head items, then
+    ``remote`` (started at once) the rest (see module docstring).
 
     Args:
-        local: decodes single items in this process (:class:`LocalExecution`).
-        remote: the ordered execution reading every one of ``items``.
-        items: the read items, in stream order.
-        max_rows: the most rows the head decodes.
+        local: reads and decodes the head items in this process (:class:`LocalExecution`).
+        remote: the execution reading the items after them (None: the head is everything).
     """
 
-    def __init__(self, local: LocalExecution, remote: Execution, items: Sequence[ReadItem],
-                 max_rows: int):
+    def __init__(self, local: LocalExecution, remote: Execution | None):
         self._local, self._remote = local, remote
-        self._items = [it for it in items if it.count > 0]
-        self._max_rows = max_rows
-        self._events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._switched = threading.Event()  # the remote took over: head and pump stop
-        self._closed = False
-        self._unused = False
-        self._local_go = threading.Semaphore(1)  # the head works one item ahead
-        self._remote_go = threading.Semaphore(1)  # the pump holds one remote block at a time
-        self._gen: Iterator[Block] | None = None
-        self._threads: list[threading.Thread] = []
-        #: Rows the head delivered, and remote rows dropped because the head had delivered them.
+        self._head = Handoff(self._marked(), None, _no_stall, ahead=True, name=HEAD_THREAD)
+        self._started = False
+        #: Rows the head delivered.
         self.head_rows = 0
-        self.dropped_rows = 0
+
+    def _marked(self) -> Iterator[Block]:
+        for block in self._local.blocks():
+            block[ACTOR] = np.full(len(block[SEQ]), HEAD_ACTOR, dtype=object)
+            yield block
 
     def start(self) -> None:
-        """Start both: the head decodes its first item, the remote execution starts."""
-        if self._gen is not None:
+        """Start both: the head decodes its first block, the remote execution starts."""
+        if self._started:
             return
-        self._gen = self._remote.blocks()
+        self._started = True
+        self._head.prime()
         start = getattr(self._remote, "start", None)
         if start is not None:
             start()
-        for target, name in ((self._head, HEAD_THREAD), (self._pump, "ray_ingest-pump")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _head(self) -> None:
-        rows, complete = 0, False
-        try:
-            for item in self._items:
-                if rows >= self._max_rows:
-                    break
-                self._local_go.acquire()
-                if self._switched.is_set():
-                    return
-                blocks = []
-                for block in self._local.item_blocks(item):
-                    block[ACTOR] = np.full(len(block[SEQ]), HEAD_ACTOR, dtype=object)
-                    blocks.append(block)
-                rows += item.count
-                self._events.put(("local", blocks))
-            else:
-                complete = True
-        except Exception as exc:  # the remote reads the same items and reports the truth
-            log.debug("head start stopped: %s: %s", type(exc).__name__, exc)
-        finally:
-            self._events.put(("local_end", complete))
-
-    def _pump(self) -> None:
-        """Pulls remote blocks while the head serves; hands the generator back when switched."""
-        try:
-            while True:
-                self._remote_go.acquire()
-                if self._switched.is_set():
-                    return
-                block = next(self._gen, None)
-                self._events.put(("remote", block))
-                if block is None:
-                    return
-        except BaseException as exc:
-            self._events.put(("error", exc))
 
     def blocks(self) -> Iterator[Block]:
         self.start()
-        delivered = seen = 0  # rows the head delivered; remote rows received
-        while True:
-            kind, value = self._events.get()
-            if kind == "error":
-                raise value
-            if kind == "local" and not self._switched.is_set():
-                self._local_go.release()  # the next item is decoded while this one trains
-                n = sum(len(b[SEQ]) for b in value)
-                delivered += n
-                self.head_rows += n
-                yield from value
-            elif kind == "remote":
-                if value is None:
-                    return  # the remote ended inside what the head delivered: all delivered
-                n = len(value[SEQ])
-                if seen + n > delivered:  # a row the head has not delivered: switch
-                    first = value if seen >= delivered else {
-                        k: v[delivered - seen:] for k, v in value.items()}
-                    self.dropped_rows += max(0, delivered - seen)
-                    break
-                seen += n
-                self.dropped_rows += n
-                self._remote_go.release()
-            elif kind == "local_end" and value and not self._switched.is_set():
-                self._unused = True  # the head delivered every item: nothing is left for
-                self._remote.close()  # the remote
-                return
-            # else the head stopped early: wait for the remote to pass what it delivered
-        self._switch()
-        log.debug("head start: %d rows decoded in this process, %d remote rows dropped",
-                  self.head_rows, self.dropped_rows)
-        yield first
-        yield from self._gen
-
-    def _switch(self) -> None:
-        """Stop the head and the pump; the consumer's thread iterates the remote from here."""
-        self._switched.set()
-        self._local_go.release()
-        self._remote_go.release()
-        # the pump waits for its go (it handed over the block that switched): it ends at once;
-        # an item the head is decoding meanwhile is dropped (the remote delivers it)
-        self._threads[1].join()
+        for block in self._head:
+            self.head_rows += len(block[SEQ])
+            yield block
+        if self._remote is not None:
+            yield from self._remote.blocks()
 
     def stats(self) -> str | None:
-        text = None if self._unused else self._remote.stats()
-        head = (f"head start: {self.head_rows} rows decoded in the consumer's process, "
-                f"{self.dropped_rows} rows of the execution dropped")
+        text = self._remote.stats() if self._remote is not None else None
+        head = f"head start: {self.head_rows} rows decoded in the consumer's process"
         return f"{text}\n{head}" if text else head
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._switched.set()
-        self._local_go.release()
-        self._remote_go.release()
         self._local.close()
-        self._remote.close()
+        self._head.close()
+        if self._remote is not None:
+            self._remote.close()
+
+
+def _no_stall(timeout: float) -> BaseException:  # a Handoff without a timeout never calls it
+    return RuntimeError(f"no block within {timeout} s")

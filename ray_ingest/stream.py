@@ -32,7 +32,7 @@ from ray_ingest.columns import ACTOR, BYTES, ERROR, NODE, READ_NODE, SEQ, T_DECO
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
 from ray_ingest.group import GroupShare, Message
-from ray_ingest.headstart import HEAD_ACTOR, HeadStart, LocalExecution
+from ray_ingest.headstart import HEAD_ACTOR, HeadStart, LocalExecution, split_head
 from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window
@@ -360,13 +360,15 @@ class IngestLoader:
 
         # one pipeline per group when its leader decodes for it: a share of the cluster each
         pipelines = self.topology.world_size // (self.topology.group_size if self.share else 1)
-        remote = Execution(self.cfg, self.catalog, items, pipelines, self.recorder.tags,
-                           self.topology.rank)
         lc = self.cfg.loader
-        if not (lc.head_start_rows and lc.ordered) or self.cfg.decode.label_selector:
-            return remote
-        local = LocalExecution(self.cfg, self.catalog, items, self.recorder.tags)
-        self._heads.append(HeadStart(local, remote, items, lc.head_start_rows))
+        if not (lc.head_start_batches and lc.ordered) or self.cfg.decode.label_selector:
+            return Execution(self.cfg, self.catalog, items, pipelines, self.recorder.tags,
+                             self.topology.rank)
+        head, rest = split_head(items, lc.head_start_batches * lc.batch_size)
+        remote = Execution(self.cfg, self.catalog, rest, pipelines, self.recorder.tags,
+                           self.topology.rank) if rest else None
+        local = LocalExecution(self.cfg, self.catalog, head, self.recorder.tags)
+        self._heads.append(HeadStart(local, remote))
         return self._heads[-1]
 
     def _keep_stats(self, stats: str) -> None:
@@ -383,7 +385,6 @@ class IngestLoader:
         return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
                 "executions": self.executions,
                 "head_start_rows": sum(h.head_rows for h in self._heads),
-                "head_start_dropped": sum(h.dropped_rows for h in self._heads),
                 "decode_nodes": dict(self.decode_nodes), "read_nodes": dict(self.read_nodes),
                 "skips_in_epoch": len(self.state.skips),
                 "skips_total": sum(self.skips_by_kind.values()),

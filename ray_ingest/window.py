@@ -164,16 +164,19 @@ class Handoff:
         on_stall: builds the exception raised when a wait exceeds ``timeout_s``.
         ahead: ask for the next item as soon as one is handed over (one item in flight while
             the consumer works; :meth:`close` lets it finish, then closes ``source``).
+        name: the helper thread's name.
     """
 
     def __init__(self, source: Iterator[Any], timeout_s: float | None,
-                 on_stall: Callable[[float], BaseException], *, ahead: bool = False):
+                 on_stall: Callable[[float], BaseException], *, ahead: bool = False,
+                 name: str = "ray_ingest-handoff"):
         self._source, self._timeout, self._on_stall = source, timeout_s, on_stall
         self._want: queue.Queue[bool] = queue.Queue()
         self._got: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._primed = False
         self._ahead = ahead
+        self._name = name
 
     def prime(self) -> None:
         """Ask for the first item now, in the helper thread (the source starts working)."""
@@ -183,7 +186,7 @@ class Handoff:
             self._primed = True
 
     def _start(self) -> None:
-        self._thread = threading.Thread(target=self._pump, name="ray_ingest-handoff",
+        self._thread = threading.Thread(target=self._pump, name=self._name,
                                         daemon=True)
         self._thread.start()
 

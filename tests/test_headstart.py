@@ -1,7 +1,7 @@
 """Head start (ray_ingest/headstart.py): the same rows in the same order, whoever decodes them.
 
-No Ray: the "remote" is the in-process execution behind a start-up delay, as a Ray Data
-execution is behind its decode actors' start-up.
+No Ray: the "remote" is the in-process execution of the items after the head, behind a start-up
+delay, as a Ray Data execution is behind its decode actors' start-up.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ray_ingest.catalog import load_catalog
 from ray_ingest.columns import ACTOR, SEQ
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import IngestError
-from ray_ingest.headstart import HEAD_ACTOR, HeadStart, LocalExecution
+from ray_ingest.headstart import HEAD_ACTOR, HEAD_THREAD, HeadStart, LocalExecution, split_head
 from ray_ingest.plan.epoch import plan_window
 from ray_ingest.plan.state import initial_state
 from ray_ingest.plan.topology import Topology
@@ -75,63 +75,71 @@ def _rows(blocks) -> tuple[list[int], str]:
     return seqs, str(hash(b"".join(digest)))
 
 
-@pytest.mark.parametrize("delay, max_rows", [(0.5, 1024), (0.0, 1024), (0.5, 20), (2.0, 10**6)])
-def test_head_start_delivers_the_executions_rows_in_order(setup, delay, max_rows):
+def test_split_head_takes_whole_leading_items(setup):
+    _, _, items = setup
+    head, rest = split_head(items, 16)
+    assert head + rest == items and sum(it.count for it in head) >= 16
+    assert sum(it.count for it in head[:-1]) < 16
+    assert split_head(items, 0)[0] == items[:1]  # at least one item
+    assert split_head(items, 10**9) == (items, [])
+
+
+@pytest.mark.parametrize("rows, delay", [(16, 0.3), (1, 0.0), (10**9, 0.0)])
+def test_head_then_remote_deliver_the_executions_rows_in_order(setup, rows, delay):
     cfg, catalog, items = setup
     want = _rows(LocalExecution(cfg, catalog, items).blocks())
-    head = HeadStart(LocalExecution(cfg, catalog, items),
-                     Delayed(LocalExecution(cfg, catalog, items), delay), items, max_rows)
-    got_blocks = list(head.blocks())
-    assert _rows(got_blocks) == want
-    assert head.head_rows <= max(max_rows, items[0].count) + 20
-    if head.head_rows == len(want[0]):  # the head delivered everything first,
-        assert head.dropped_rows == 0 and head._remote.closed  # the remote was left unused
-        assert all((b[ACTOR] == HEAD_ACTOR).all() for b in got_blocks)
-    else:  # the remote took over: what the head delivered was dropped from it
-        assert head.dropped_rows == head.head_rows
-    if delay >= 2.0:
-        assert head.head_rows == len(want[0])
-    if max_rows == 20:  # the head stops after its bound, the remote serves the rest
-        assert 0 < head.head_rows < len(want[0])
-        assert "head start" in head.stats() and "remote" in head.stats()
-    head.close()
+    head, rest = split_head(items, rows)
+    remote = Delayed(LocalExecution(cfg, catalog, rest), delay) if rest else None
+    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    t0 = time.monotonic()
+    blocks = hs.blocks()
+    first = next(blocks)
+    if delay:  # the head does not wait for the remote's start-up
+        assert time.monotonic() - t0 < delay
+    got = [first, *blocks]
+    assert _rows(got) == want
+    assert hs.head_rows == sum(it.count for it in head)
+    marked = sum(len(b[SEQ]) for b in got if (b[ACTOR] == HEAD_ACTOR).all())
+    assert marked == hs.head_rows
+    assert "head start" in hs.stats() and ("remote" in hs.stats()) == bool(rest)
+    hs.close()
 
 
-def test_remote_errors_surface_and_head_errors_do_not(setup, monkeypatch):
+def test_errors_of_either_part_surface(setup):
     cfg, catalog, items = setup
-    head = HeadStart(LocalExecution(cfg, catalog, items),
-                     Delayed(LocalExecution(cfg, catalog, items), 0.2, fail_at=30), items, 64)
+    head, rest = split_head(items, 16)
+    hs = HeadStart(LocalExecution(cfg, catalog, head),
+                   Delayed(LocalExecution(cfg, catalog, rest), 0.1, fail_at=3))
     with pytest.raises(IngestError, match="index 3: cannot decode"):
-        list(head.blocks())
-    head.close()
+        list(hs.blocks())
+    hs.close()
 
-    local = LocalExecution(cfg, catalog, items)
+    local = LocalExecution(cfg, catalog, head)
 
     def broken(item):
-        raise OSError("this process cannot open the shard")
+        raise IngestError(f"shard {item.sid}: cannot open")
         yield
 
-    monkeypatch.setattr(local, "item_blocks", broken)
-    want = _rows(LocalExecution(cfg, catalog, items).blocks())
-    head = HeadStart(local, Delayed(LocalExecution(cfg, catalog, items), 0.1), items, 1024)
-    assert _rows(head.blocks()) == want
-    assert head.head_rows == 0
+    local.item_blocks = broken
+    hs = HeadStart(local, Delayed(LocalExecution(cfg, catalog, rest), 0.0))
+    with pytest.raises(IngestError, match="cannot open"):
+        list(hs.blocks())
+    hs.close()
 
 
 def test_close_mid_stream_stops_both_without_hanging(setup):
     cfg, catalog, items = setup
-    remote = Delayed(LocalExecution(cfg, catalog, items), 0.3)
-    head = HeadStart(LocalExecution(cfg, catalog, items), remote, items, 1024)
-    it = head.blocks()
+    head, rest = split_head(items, 40)
+    remote = Delayed(LocalExecution(cfg, catalog, rest), 0.3)
+    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    it = hs.blocks()
     first = next(it)
-    assert len(first[SEQ]) == items[0].count
+    assert len(first[SEQ]) == items[0].count and np.all(first[ACTOR] == HEAD_ACTOR)
     it.close()
-    head.close()
+    hs.close()
     assert remote.closed
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(
-            t.name.startswith("ray_ingest-pump") and t.is_alive() for t in threading.enumerate()):
+            t.name == HEAD_THREAD and t.is_alive() for t in threading.enumerate()):
         time.sleep(0.05)
-    assert not any(t.name.startswith("ray_ingest-pump") and t.is_alive()
-                   for t in threading.enumerate())
-    assert np.all(first[ACTOR] == HEAD_ACTOR)
+    assert not any(t.name == HEAD_THREAD and t.is_alive() for t in threading.enumerate())

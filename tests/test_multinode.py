@@ -132,7 +132,7 @@ def test_placement_by_label_and_train_node_loss(cluster, tmp_path, monkeypatch):
         "data": {"paths": [data], "modalities": ["image", "caption"]},
         "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.5,
                    "label_selector": {"pool": "cpu-decode"}},
-        "loader": {"head_start_rows": 0,  # the Ray edge alone
+        "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 8, "seed": 4, "read_workers": 2, "block_rows": 8,
                    "read_num_cpus": 0.25},
         "train": {"num_workers": 2, "cpus_per_worker": 1, "checkpoint_every": 2,
@@ -269,7 +269,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
         "data": {"paths": [data]},
         "decode": {"resolution": 224, "pool_min": 2, "pool_max": 3, "num_cpus": 2.5,
                    "label_selector": {"pool": "cpu-decode"}},
-        "loader": {"head_start_rows": 0,  # the Ray edge alone
+        "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 16, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 16,
                    "prefetch_batches": 1, "seed": 1},
     })
@@ -404,7 +404,7 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
         "data": {"paths": [data]},
         "decode": {"resolution": res, "pool_min": 1, "pool_max": 2, "num_cpus": 2.5,
                    "label_selector": {"pool": "cpu-decode"}},
-        "loader": {"head_start_rows": 0, "batch_size": 8, "read_workers": 1, "read_num_cpus": 0.25,
+        "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1, "read_num_cpus": 0.25,
                    "block_rows": block_rows, "max_block_bytes": 64 * MB,
                    "prefetch_batches": 2, "seed": 1},
     })

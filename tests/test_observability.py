@@ -27,7 +27,7 @@ def test_stage_fractions_add_up_to_the_measured_loop_time(ray_local, tmp_path):
     cfg = config_from_dict({
         "data": {"paths": [str(root)]},
         "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1},
-        "loader": {"head_start_rows": 0, "batch_size": 8, "read_workers": 1},
+        "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1},
     })
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
 

@@ -34,7 +34,7 @@ def _cfg(path: str, **loader):
     return config_from_dict({
         "data": {"paths": [path]},
         "decode": {"resolution": 32, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25},
-        "loader": {"head_start_rows": 0,  # the Ray edge alone
+        "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 8, "read_workers": 2, "seed": 7, "block_rows": 16, **loader},
     })
 
@@ -137,7 +137,7 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
     cfg = config_from_dict({
         "data": {"paths": [out]},
         "decode": {"resolution": 192, "pool_min": 1, "pool_max": 3, "num_cpus": 0.25},
-        "loader": {"head_start_rows": 0,  # the Ray edge alone
+        "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 12, "read_workers": 1, "block_rows": 4, "prefetch_batches": 8},
     })
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
@@ -153,7 +153,7 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
     fixed = config_from_dict({
         "data": {"paths": [out]},
         "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
-        "loader": {"head_start_rows": 0, "batch_size": 12, "read_workers": 1, "block_rows": 4},
+        "loader": {"head_start_batches": 0, "batch_size": 12, "read_workers": 1, "block_rows": 4},
     })
     loader = IngestLoader(fixed, Topology(world_size=1, rank=0, num_workers=1))
     n = 0
@@ -179,7 +179,7 @@ def test_random_crop_is_seeded_per_sample(ray_local, dataset):
         "data": {"paths": [dataset]},
         "decode": {"resolution": 32, "crop": "random", "pool_min": 1, "pool_max": 2,
                    "num_cpus": 0.25},
-        "loader": {"head_start_rows": 0, "batch_size": 8, "seed": 5},
+        "loader": {"head_start_batches": 0, "batch_size": 8, "seed": 5},
     })
     topo = Topology(world_size=1, rank=0, num_workers=1)
     a, _ = _run(cfg, topo)
@@ -199,7 +199,7 @@ def test_aspect_buckets_give_one_shape_per_batch(ray_local, tmp_path):
         "decode": {"resolution": 32, "buckets": ["16:9", "3:2", "4:3", "1:1", "3:4", "2:3",
                                                   "9:16", "21:9"],
                    "pool_min": 1, "pool_max": 2, "num_cpus": 0.25},
-        "loader": {"head_start_rows": 0, "batch_size": 4},
+        "loader": {"head_start_batches": 0, "batch_size": 4},
     })
     counts = []
     for rank in range(2):
@@ -230,7 +230,7 @@ def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
         "data": {"paths": [out]},
         "decode": {"resolution": 96, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
                    "scale_down_hold_s": 60},
-        "loader": {"head_start_rows": 0, "batch_size": 16, "read_workers": 1, "block_rows": 16,
+        "loader": {"head_start_batches": 0, "batch_size": 16, "read_workers": 1, "block_rows": 16,
                    "object_store_limit": 16_000_000},
     })
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))

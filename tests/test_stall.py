@@ -29,7 +29,7 @@ def test_no_progress_for_stall_timeout_raises_stall_error(ray_local, tmp_path):
         "data": {"paths": [data]},
         "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
                    "label_selector": {"pool": "nowhere"}},
-        "loader": {"head_start_rows": 0,  # the Ray edge alone
+        "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 8, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 8,
                    "stall_timeout_s": 2},
     })

@@ -69,7 +69,7 @@ def corrupt(plain, tmp_path_factory) -> str:
 
 def _cfg(path: str, decode: dict[str, Any] | None = None, **loader: Any):
     if ENGINE[0] == "ray":  # the Ray edge alone (the head start is a test of its own)
-        loader.setdefault("head_start_rows", 0)
+        loader.setdefault("head_start_batches", 0)
     return config_from_dict({
         "data": {"paths": [path]},
         "decode": {"resolution": 24, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
@@ -190,13 +190,14 @@ def test_started_loader_delivers_the_goldens_from_one_execution(plain):
 
 @pytest.mark.ray
 def test_head_start_then_the_pool_delivers_the_goldens(ray_local, plain):
-    """The default head start: the first rows decoded in this process, the rest by the Ray
-    Data execution, which drops what the head delivered: the same batches as either alone."""
+    """The default head start: the first 2 batches' items decoded in this process, the rest by
+    the Ray Data execution: the same batches as either alone."""
     ENGINE[0] = "head"
-    cfg = _cfg(plain, head_start_rows=16)
+    cfg = _cfg(plain, head_start_batches=2)
     got = json.loads(json.dumps(_ranks(cfg, world=2, epochs=3)))
     assert got == json.loads(GOLDEN.read_text())["epoch_mode"]
     _, loader = _run(cfg, Topology(2, 0, cfg.loader.read_workers), 1)
     m = loader.metrics()
-    assert 16 <= m["head_start_rows"] < sum(m["decode_nodes"].values())
-    assert m["head_start_rows"] == m["head_start_dropped"] and m["actors_seen"] >= 1
+    # whole leading items holding at least 2 batches, the rest from the pool's actors
+    assert 2 * cfg.loader.batch_size <= m["head_start_rows"] < m["samples"]
+    assert m["actors_seen"] >= 1
