@@ -19,7 +19,7 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m ray_ingest.cli.main demo
 
 test: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ray_ingest jobs bench tests
