@@ -99,9 +99,12 @@ def load_array(data: bytes, ext: str, allow_pickle: bool) -> np.ndarray:
 class Decoder:
     """Callable class for ``Dataset.map_batches(..., batch_format="pyarrow")``."""
 
-    def __init__(self, cfg: DecodeConfig, seed: int = 0, epoch: int = 0, on_error: str = "raise"):
+    def __init__(self, cfg: DecodeConfig, seed: int = 0, epoch: int = 0, on_error: str = "raise",
+                 log_skips: bool = True):
         # ``epoch`` seeds random crops of rows without an ``__epoch__`` column (cat, tests).
+        # ``log_skips`` false where the loader's skip filter logs every skip (same process).
         self.cfg = cfg
+        self.log_skips = log_skips
         self.seed = seed
         self.epoch = epoch
         self.on_error = on_error
@@ -214,7 +217,8 @@ class Decoder:
                          f"index {row.get(INDEX)}")
                 if self.on_error == "raise":
                     raise IngestError(f"{where}: cannot decode: {reason}") from None
-                log.warning("skip %s: %s", where, reason)
+                if self.log_skips:
+                    log.warning("skip %s: %s", where, reason)
                 decoded.append(self.placeholder(row))
                 errors.append(reason)
         out = self.assemble(rows, decoded, errors)

@@ -14,7 +14,6 @@ have. No Ray, no torch.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -36,25 +35,18 @@ HEAD_ACTOR = "head-start"
 HEAD_THREAD = "ray_ingest-head"
 
 
-class _QuietHead(logging.Filter):
-    """Drops the read and decode stages' "skip …" lines in the head's thread: the loader's
-    skip filter logs every skip once, with its rank (in a decode actor they go to its log)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.threadName == HEAD_THREAD and str(record.msg).startswith("skip"))
-
-
-for _name in ("ray_ingest.source", "ray_ingest.decode"):
-    logging.getLogger(_name).addFilter(_QuietHead())
-
-
 class LocalExecution:
-    """Read and decode ``items`` in this process: what the Ray edge computes, without Ray."""
+    """Read and decode ``items`` in this process: what the Ray edge computes, without Ray.
+
+    Its skips are not logged here: the loader's skip filter, in this process, logs every one
+    with its rank (a decode actor's go to that actor's log).
+    """
 
     def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
                  metric_tags: dict[str, str] | None = None):
         self.cfg, self.catalog, self.items = cfg, catalog, list(items)
-        self.decoder = Decoder(cfg.decode, seed=cfg.loader.seed, on_error=cfg.loader.on_error)
+        self.decoder = Decoder(cfg.decode, seed=cfg.loader.seed, on_error=cfg.loader.on_error,
+                               log_skips=False)
         self.metric_tags = metric_tags
         self.opts = read_options(cfg)
         self.rows_per_block = block_rows(cfg)
@@ -69,7 +61,8 @@ class LocalExecution:
         """The decoded blocks of one read item."""
         self.read += 1
         for table in read_item(self.catalog.shard(item.sid), item, self.opts,
-                               self.rows_per_block, self.cfg.loader.on_error, self.metric_tags):
+                               self.rows_per_block, self.cfg.loader.on_error, self.metric_tags,
+                               log_skips=False):
             yield self.decoder(table)
 
     def blocks(self) -> Iterator[Block]:
@@ -106,7 +99,7 @@ class HeadStart:
 
     def __init__(self, local: LocalExecution, remote: Execution | None):
         self._local, self._remote = local, remote
-        self._head = Handoff(self._marked(), None, _no_stall, ahead=True, name=HEAD_THREAD)
+        self._head = Handoff(self._marked(), None, ahead=True, name=HEAD_THREAD)
         self._started = False
         #: Rows the head delivered.
         self.head_rows = 0
@@ -144,7 +137,3 @@ class HeadStart:
         self._head.close()
         if self._remote is not None:
             self._remote.close()
-
-
-def _no_stall(timeout: float) -> BaseException:  # a Handoff without a timeout never calls it
-    return RuntimeError(f"no block within {timeout} s")

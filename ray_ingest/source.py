@@ -83,14 +83,17 @@ def read_item(
     block_rows: int,
     on_error: str = "raise",
     metric_tags: Mapping[str, str] | None = None,
+    log_skips: bool = True,
 ) -> Iterator[pa.Table]:
-    """Generator behind one ReadTask: Arrow blocks of at most ``block_rows`` rows."""
+    """Generator behind one ReadTask: Arrow blocks of at most ``block_rows`` rows.
+
+    ``log_skips`` false where the loader's skip filter logs every skip (same process)."""
     with metrics.read_scope(metric_tags):
-        yield from _read_item(shard, item, opts, block_rows, on_error)
+        yield from _read_item(shard, item, opts, block_rows, on_error, log_skips)
 
 
 def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int,
-               on_error: str) -> Iterator[pa.Table]:
+               on_error: str, log_skips: bool) -> Iterator[pa.Table]:
     schema = _schema(shard.modalities)
     names = schema.names
     cols: dict[str, list[Any]] = {n: [] for n in names}
@@ -132,8 +135,9 @@ def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: 
         for row in read_shard(shard, item.start, item.count, opts, on_error=on_error):
             if row.get(ERROR) is not None:  # one unreadable sample (on_error=skip)
                 reason = _reason(row[ERROR])
-                log.warning("skip shard %s key %s index %d: %s", shard.path, row[KEY],
-                            row[INDEX], reason)
+                if log_skips:
+                    log.warning("skip shard %s key %s index %d: %s", shard.path, row[KEY],
+                                row[INDEX], reason)
                 add(row, error=reason)
             else:
                 add(row)
@@ -146,8 +150,9 @@ def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: 
         if on_error != "skip":
             raise _located(exc, shard.path, next_index, last_key) from None
         reason = _reason(exc)
-        log.warning("skip shard %s samples %d..%d: %s", shard.path, next_index,
-                    item.start + item.count - 1, reason)
+        if log_skips:
+            log.warning("skip shard %s samples %d..%d: %s", shard.path, next_index,
+                        item.start + item.count - 1, reason)
         for index in range(next_index, item.start + item.count):
             add({KEY: "", INDEX: index}, error=reason)
             if len(cols[KEY]) >= block_rows:

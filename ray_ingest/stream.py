@@ -262,7 +262,7 @@ class IngestLoader:
                 yield batch, consumed
             self.share.send_end(plan.epoch)
 
-        ahead = Handoff(made(), None, _no_stall, ahead=True)
+        ahead = Handoff(made(), None, ahead=True)
         try:
             for batch, consumed in self._timed(ahead):
                 self._hand(batch, consumed)
@@ -290,7 +290,7 @@ class IngestLoader:
                 if msg.batch is None:
                     return
 
-        ahead = Handoff(received(), None, _no_stall, ahead=True)
+        ahead = Handoff(received(), None, ahead=True)
         try:
             for msg in self._timed(ahead):
                 if msg.batch is None:
@@ -360,15 +360,16 @@ class IngestLoader:
 
         # one pipeline per group when its leader decodes for it: a share of the cluster each
         pipelines = self.topology.world_size // (self.topology.group_size if self.share else 1)
+        def remote(its: list[ReadItem]) -> Execution:
+            return Execution(self.cfg, self.catalog, its, pipelines, self.recorder.tags,
+                             self.topology.rank)
+
         lc = self.cfg.loader
         if not (lc.head_start_batches and lc.ordered) or self.cfg.decode.label_selector:
-            return Execution(self.cfg, self.catalog, items, pipelines, self.recorder.tags,
-                             self.topology.rank)
+            return remote(items)
         head, rest = split_head(items, lc.head_start_batches * lc.batch_size)
-        remote = Execution(self.cfg, self.catalog, rest, pipelines, self.recorder.tags,
-                           self.topology.rank) if rest else None
         local = LocalExecution(self.cfg, self.catalog, head, self.recorder.tags)
-        self._heads.append(HeadStart(local, remote))
+        self._heads.append(HeadStart(local, remote(rest) if rest else None))
         return self._heads[-1]
 
     def _keep_stats(self, stats: str) -> None:
@@ -397,6 +398,3 @@ def _count_nodes(counts: dict[str, int], nodes: np.ndarray | None) -> None:
     for node, n in zip(*np.unique(nodes.astype(str), return_counts=True), strict=True):
         counts[str(node)] = counts.get(str(node), 0) + int(n)
 
-
-def _no_stall(timeout: float) -> BaseException:  # Handoff without a timeout never calls it
-    return RuntimeError(f"no batch within {timeout} s")

@@ -161,15 +161,19 @@ class Handoff:
     Args:
         source: the iterator to pull from (a generator is closed on :meth:`close`).
         timeout_s: longest wait for one item (None: forever).
-        on_stall: builds the exception raised when a wait exceeds ``timeout_s``.
+        on_stall: builds the exception raised when a wait exceeds ``timeout_s`` (needed only
+            with a timeout).
         ahead: ask for the next item as soon as one is handed over (one item in flight while
             the consumer works; :meth:`close` lets it finish, then closes ``source``).
         name: the helper thread's name.
     """
 
     def __init__(self, source: Iterator[Any], timeout_s: float | None,
-                 on_stall: Callable[[float], BaseException], *, ahead: bool = False,
+                 on_stall: Callable[[float], BaseException] | None = None, *,
+                 ahead: bool = False,
                  name: str = "ray_ingest-handoff"):
+        if timeout_s is not None and on_stall is None:
+            raise ValueError("Handoff: a timeout needs on_stall")
         self._source, self._timeout, self._on_stall = source, timeout_s, on_stall
         self._want: queue.Queue[bool] = queue.Queue()
         self._got: queue.Queue[tuple[bool, Any]] = queue.Queue()

@@ -22,11 +22,11 @@ from ray_ingest.catalog import load_catalog
 from ray_ingest.collate import Batch
 from ray_ingest.errors import ConfigError, GroupError
 from ray_ingest.group import GroupShare, decode_batch, encode_batch
+from ray_ingest.headstart import LocalExecution
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
 from ray_ingest.stream import IngestLoader
 from tests.group_ranks import ThreadChannel, run_ranks
-from tests.local_execution import LocalExecution
 from tests.test_stream_goldens import GOLDEN, _cfg, _record, bucketed, corrupt, plain  # noqa: F401 - fixtures
 
 GOLDENS = json.loads(GOLDEN.read_text())

@@ -5,7 +5,7 @@ execution per job (``tests/goldens/stream.json``); every case must still reprodu
 shard ids, indices, pads, buckets, skips and the sha1 of every image tensor, per batch, per rank.
 
 Every case also runs with the Ray edge replaced by the same read and decode code in this process
-(tests/local_execution.py): the loader's other stages reproduce the goldens without a cluster.
+(ray_ingest/headstart.py): the loader's other stages reproduce the goldens without a cluster.
 
 Re-record only on purpose (a deliberate change of the delivered data), with
 ``RAY_INGEST_WRITE_GOLDENS=1 .venv/bin/python -m pytest tests/test_stream_goldens.py``.
@@ -25,14 +25,14 @@ import pytest
 
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
+from ray_ingest.headstart import LocalExecution
 from ray_ingest.plan.topology import Topology
 from ray_ingest.stream import IngestLoader
 from ray_ingest.synth import synth_dataset
 from tests.datagen import write_tar
-from tests.local_execution import LocalExecution
 
 GOLDEN = Path(__file__).parent / "goldens" / "stream.json"
-#: "ray" (the real Ray Data execution) or "local" (tests/local_execution.py), set per test.
+#: "ray" (the real Ray Data execution) or "local" (ray_ingest/headstart.py), set per test.
 ENGINE = ["ray"]
 WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
 
