@@ -11,8 +11,10 @@ were, not wrapped in Ray's task errors.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -37,11 +39,21 @@ log = logging.getLogger(__name__)
 
 #: DataContext key read by :class:`HoldScaleDown`.
 HOLD_KEY = "ray_ingest.scale_down_hold_s"
+#: DataContext key naming an execution for :class:`TrackExecutor`.
+TRACK_KEY = "ray_ingest.execution"
+_EXECUTORS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_TOKENS = itertools.count()
 
 
-def execution_context(cfg: Config, world_size: int = 1) -> DataContext:
-    """The DataContext of a loader's executions (a copy: the process's current one is kept)."""
+def execution_context(cfg: Config, world_size: int = 1,
+                      token: str | None = None) -> DataContext:
+    """The DataContext of a loader's executions (a copy: the process's current one is kept);
+    with ``token``, its executor is found by :func:`executor_of` once it starts."""
     ctx = DataContext.get_current().copy()
+    if token is not None:
+        ctx.set_config(TRACK_KEY, token)
+        ctx.custom_execution_callback_classes = [*ctx.custom_execution_callback_classes,
+                                                 TrackExecutor]
     ctx.execution_options.preserve_order = cfg.loader.ordered
     ctx.enable_progress_bars = False
     ctx.execution_options.verbose_progress = False
@@ -115,6 +127,21 @@ class HoldScaleDown(ExecutionCallback):
         scaler._derive_target_scaling_config = held
 
 
+class TrackExecutor(ExecutionCallback):
+    """Records an execution's executor under its token: a consumer thread blocked inside Ray
+    Data's iterator (a stall) cannot close it, so :meth:`Execution.close` shuts it down."""
+
+    def before_execution_starts(self, executor: Any) -> None:
+        token = executor._data_context.get_config(TRACK_KEY, None)
+        if token is not None:
+            _EXECUTORS[token] = executor
+
+
+def executor_of(token: str) -> Any | None:
+    """The running executor of the execution built with ``token`` (None: not started or gone)."""
+    return _EXECUTORS.get(token)
+
+
 def warm_up() -> None:
     """Start Ray Data's per-cluster actors now, ahead of the first execution.
 
@@ -148,8 +175,8 @@ def _current(ctx: DataContext) -> Iterator[None]:
 
 
 def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
-                  world_size: int = 1,
-                  metric_tags: dict[str, str] | None = None) -> ray.data.Dataset:
+                  world_size: int = 1, metric_tags: dict[str, str] | None = None,
+                  token: str | None = None) -> ray.data.Dataset:
     """Read ``items`` in order and decode them on the elastic actor pool.
 
     With ``loader.fused_read`` the decode actors read their items themselves (``ReadDecoder``);
@@ -161,8 +188,8 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
         read_kw["label_selector"] = dict(cfg.decode.label_selector)
         map_kw["label_selector"] = dict(cfg.decode.label_selector)
     if cfg.loader.fused_read:
-        return _fused(cfg, catalog, items, world_size, metric_tags, map_kw)
-    with _current(execution_context(cfg, world_size)):
+        return _fused(cfg, catalog, items, world_size, metric_tags, map_kw, token)
+    with _current(execution_context(cfg, world_size, token)):
         source = TwinTarDatasource(catalog.shards, items, read_options(cfg),
                                    block_rows=block_rows(cfg),
                                    on_error=cfg.loader.on_error, metric_tags=metric_tags)
@@ -188,10 +215,11 @@ ITEM_FIELDS = ("seq", "sid", "start", "count", "pad", "epoch")
 
 
 def _fused(cfg: Config, catalog: Catalog, items: Sequence[ReadItem], world_size: int,
-           metric_tags: dict[str, str] | None, map_kw: dict[str, Any]) -> ray.data.Dataset:
+           metric_tags: dict[str, str] | None, map_kw: dict[str, Any],
+           token: str | None = None) -> ray.data.Dataset:
     rows = [{f: getattr(it, f) for f in ITEM_FIELDS} for it in items if it.count > 0]
     shards = {it.sid: catalog.shard(it.sid) for it in items}
-    with _current(execution_context(cfg, world_size)):
+    with _current(execution_context(cfg, world_size, token)):
         ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
         return ds.map_batches(
             ReadDecoder,
@@ -244,7 +272,8 @@ class Execution:
                  world_size: int = 1, metric_tags: dict[str, str] | None = None,
                  rank: int = 0):
         self.cfg, self.rank = cfg, rank
-        self._ds = build_dataset(cfg, catalog, items, world_size, metric_tags)
+        self._token = f"{id(self):x}-{next(_TOKENS)}"
+        self._ds = build_dataset(cfg, catalog, items, world_size, metric_tags, self._token)
         it = iter(self._ds.iter_batches(batch_size=None, batch_format="numpy",
                                         prefetch_batches=cfg.loader.prefetch_batches))
         self._handoff = Handoff(it, cfg.loader.stall_timeout_s, self._stalled)
@@ -285,8 +314,20 @@ class Execution:
             return None
 
     def close(self) -> None:
-        """Stop the execution (an abandoned one would keep reading and decoding)."""
-        self._handoff.close()
+        """Stop the execution (an abandoned one would keep reading and decoding).
+
+        The helper thread closes Ray Data's iterator, which shuts the executor down. A helper
+        still blocked inside it (a stalled execution never yields) cannot: the executor is shut
+        down from here, which ends the wait, so no execution outlives its loader.
+        """
+        if self._handoff.close(join_s=1.0):
+            return
+        executor = executor_of(self._token)
+        if executor is not None:
+            executor.shutdown(force=True)
+        if not self._handoff.close(join_s=10.0):
+            log.warning("rank %d: a Ray Data execution did not stop within 10 s of close()",
+                        self.rank)
 
 
 def ingest_cause(exc: BaseException) -> IngestError | None:

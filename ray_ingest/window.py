@@ -181,6 +181,7 @@ class Handoff:
         self._primed = False
         self._ahead = ahead
         self._name = name
+        self._closing = False
 
     def prime(self) -> None:
         """Ask for the first item now, in the helper thread (the source starts working)."""
@@ -231,15 +232,19 @@ class Handoff:
             if close is not None:
                 close()
 
-    def close(self, join_s: float = 10.0) -> None:
-        """Stop pulling and close ``source`` (at once when the helper is idle)."""
+    def close(self, join_s: float = 10.0) -> bool:
+        """Stop pulling and close ``source`` (at once when the helper is idle); True when the
+        helper has ended within ``join_s`` (calling again waits again)."""
         if self._thread is None:
             close = getattr(self._source, "close", None)
             if close is not None:
                 close()
-            return
-        self._want.put(False)
+            return True
+        if not self._closing:
+            self._closing = True
+            self._want.put(False)
         self._thread.join(timeout=join_s)
+        return not self._thread.is_alive()
 
 
 _END = object()

@@ -406,3 +406,26 @@ def test_handoff_passes_errors_and_closes_the_source_in_its_thread():
 
     with pytest.raises(ValueError, match="bad shard"):
         list(_handoff(failing(), 5))
+
+
+def test_handoff_close_reports_a_helper_still_blocked_in_the_source():
+    """A stalled source keeps the helper inside ``next()``: close() says so (the Ray edge then
+    shuts its executor down), and says it ended once the source lets go."""
+    import threading
+
+    release = threading.Event()
+
+    def source():
+        yield 1
+        release.wait(10)
+        yield 2
+
+    h = _handoff(source(), 0.2)
+    it = iter(h)
+    assert next(it) == 1
+    with pytest.raises(_Stalled):
+        next(it)
+    assert h.close(join_s=0.2) is False  # blocked in the source
+    release.set()
+    assert h.close(join_s=5) is True
+    assert _handoff(iter(()), None).close() is True  # never started

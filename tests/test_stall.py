@@ -8,6 +8,7 @@ no node carries the decode label, so read tasks and decode actors stay pending f
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -44,4 +45,14 @@ def test_no_progress_for_stall_timeout_raises_stall_error(ray_local, tmp_path):
     assert "\n" not in msg and "loader.stall_timeout_s (2 s)" in msg
     assert "{'pool': 'nowhere'}" in msg
     assert time.monotonic() - t0 < 60
+    # the stalled execution was shut down, not left running (its scheduling thread ends)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _executor_threads():
+        time.sleep(0.1)
+    assert not _executor_threads()
+
+
+def _executor_threads() -> list[str]:
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith("StreamingExecutor") and t.is_alive()]
 
