@@ -2,7 +2,10 @@
 
 One checkpoint round-trip helper, :func:`run_save_load`, drives every case: run, stop after
 ``stop_after`` batches, save the per-rank state files, merge them back, resume, and compare
-what was delivered before + after with an uninterrupted run.
+what was delivered before + after with an uninterrupted run. The runs that stop and resume go
+through Ray; the uninterrupted reference is read and decoded in this process by the same code
+(``ray_ingest/headstart.py``, bit-identical to the Ray edge by the stream goldens), so every
+resumed Ray run is checked against an independent execution, one Ray execution fewer each.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import ConfigError, StateError
+from ray_ingest.headstart import LocalExecution
 from ray_ingest.plan import PlanParams, iter_samples, pid_env_start, plan_slot
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
@@ -29,7 +33,8 @@ pytestmark = pytest.mark.ray
 SAMPLES, SHARD = 150, 20  # 8 shards, the last one short: 7 x 20 + 10
 BATCH = 8
 
-LoaderFactory = Callable[[ReadState | None, int], IngestLoader]
+#: ``make(state, rank, local=False)``: a rank's loader; ``local`` for the in-process reference.
+LoaderFactory = Callable[..., IngestLoader]
 Record = tuple
 
 
@@ -62,12 +67,17 @@ def factory(path: str, world: int = 1, group: int = 1, **loader) -> LoaderFactor
     cfg = make_cfg(path, **loader)
     catalog = load_catalog([path])
 
-    def make(state: ReadState | None, rank: int) -> IngestLoader:
+    def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         topo = Topology(world_size=world, rank=rank, num_workers=cfg.loader.read_workers,
                         group_size=group)
-        return IngestLoader(cfg, topo, catalog=catalog, state=state)
+        return IngestLoader(cfg, topo, catalog=catalog, state=state,
+                            open_execution=_local(cfg, catalog, local))
 
     return make
+
+
+def _local(cfg, catalog, local: bool):
+    return LocalExecution.factory(cfg, catalog) if local else None
 
 
 def record(epoch: int, b) -> Record:
@@ -106,7 +116,7 @@ def run_save_load(loader_factory: LoaderFactory, stop_after: int, ckpt_dir,
     Returns ``(baseline, restored state, before, after)``.
     """
     if baseline is None:
-        baseline = {r: collect(loader_factory(None, r), epochs) for r in ranks}
+        baseline = {r: collect(loader_factory(None, r, local=True), epochs) for r in ranks}
     before = {}
     for r in ranks:
         loader = loader_factory(None, r)
@@ -133,7 +143,8 @@ _BASELINES: dict[str, dict[int, list[Record]]] = {}
 def baseline_of(key: str, loader_factory: LoaderFactory, epochs: int = 2,
                 ranks: Sequence[int] = (0,)) -> dict[int, list[Record]]:
     if key not in _BASELINES:
-        _BASELINES[key] = {r: collect(loader_factory(None, r), epochs) for r in ranks}
+        _BASELINES[key] = {r: collect(loader_factory(None, r, local=True), epochs)
+                           for r in ranks}
     return _BASELINES[key]
 
 
@@ -230,10 +241,11 @@ def test_pid_start_index_is_a_starting_point(ray_local, dataset, tmp_path):
     catalog = load_catalog([dataset])
     topo = Topology(world_size=1, num_workers=2)
 
-    def make(state: ReadState | None, rank: int) -> IngestLoader:
+    def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         # as train.py does: the env starting point only when there is no checkpoint
         kw = {} if state is not None else {"start_index": start_index, "start_epoch": start_epoch}
-        return IngestLoader(cfg, topo, catalog=catalog, state=state, **kw)
+        return IngestLoader(cfg, topo, catalog=catalog, state=state,
+                            open_execution=_local(cfg, catalog, local), **kw)
 
     base = baseline_of("pid-start", make, epochs=3)
     params = PlanParams(seed_mode="pid", seed=11, repeat=False, start_index=SHARD * 2)
@@ -305,9 +317,9 @@ def test_aspect_buckets_resume_exactly_once(ray_local, tmp_path):
     catalog = load_catalog([out])
     assert len({s.bucket for s in catalog.shards}) >= 2
 
-    def make(state: ReadState | None, rank: int) -> IngestLoader:
+    def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         return IngestLoader(cfg, Topology(world_size=1, num_workers=2), catalog=catalog,
-                            state=state)
+                            state=state, open_execution=_local(cfg, catalog, local))
 
     base, state, before, after = run_save_load(make, 5, tmp_path / "ckpt", epochs=1,
                                                same_sequence=False)
