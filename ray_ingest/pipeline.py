@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 HOLD_KEY = "ray_ingest.scale_down_hold_s"
 #: DataContext key naming an execution for :class:`TrackExecutor`.
 TRACK_KEY = "ray_ingest.execution"
+#: Running executors by token (weak: a finished, collected executor leaves by itself).
 _EXECUTORS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 _TOKENS = itertools.count()
 
@@ -48,7 +49,7 @@ _TOKENS = itertools.count()
 def execution_context(cfg: Config, world_size: int = 1,
                       token: str | None = None) -> DataContext:
     """The DataContext of a loader's executions (a copy: the process's current one is kept);
-    with ``token``, its executor is found by :func:`executor_of` once it starts."""
+    with ``token``, :class:`TrackExecutor` records its executor under it once it starts."""
     ctx = DataContext.get_current().copy()
     if token is not None:
         ctx.set_config(TRACK_KEY, token)
@@ -135,11 +136,6 @@ class TrackExecutor(ExecutionCallback):
         token = executor._data_context.get_config(TRACK_KEY, None)
         if token is not None:
             _EXECUTORS[token] = executor
-
-
-def executor_of(token: str) -> Any | None:
-    """The running executor of the execution built with ``token`` (None: not started or gone)."""
-    return _EXECUTORS.get(token)
 
 
 def warm_up() -> None:
@@ -272,7 +268,7 @@ class Execution:
                  world_size: int = 1, metric_tags: dict[str, str] | None = None,
                  rank: int = 0):
         self.cfg, self.rank = cfg, rank
-        self._token = f"{id(self):x}-{next(_TOKENS)}"
+        self._token = str(next(_TOKENS))  # unique in this process, where the executor runs
         self._ds = build_dataset(cfg, catalog, items, world_size, metric_tags, self._token)
         it = iter(self._ds.iter_batches(batch_size=None, batch_format="numpy",
                                         prefetch_batches=cfg.loader.prefetch_batches))
@@ -322,7 +318,7 @@ class Execution:
         """
         if self._handoff.close(join_s=1.0):
             return
-        executor = executor_of(self._token)
+        executor = _EXECUTORS.get(self._token)  # None: not started, or already gone
         if executor is not None:
             executor.shutdown(force=True)
         if not self._handoff.close(join_s=10.0):
