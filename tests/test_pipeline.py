@@ -1,5 +1,13 @@
 """The Ray pipeline on a real local Ray: datasource rows, determinism, groups, equal batches,
-elastic decode pool."""
+elastic decode pool.
+
+A test whose subject is the Ray edge (the datasource, the decode pool, one execution over
+epochs, unordered delivery, pauses) runs through Ray. A test whose subject is what is planned
+(group ranks, aspect buckets, the random crop's seeds) runs the same read and decode code in
+this process (``local=True``: ray_ingest/headstart.py, bit-identical to the Ray edge by the stream
+goldens) where a Ray run would test the same rows again at ~5 s an execution; where the Ray
+edge could differ (a per-process seed), one Ray run is compared with the in-process one.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ import pytest
 
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
+from ray_ingest.headstart import LocalExecution
 from ray_ingest.plan.epoch import read_items
 from ray_ingest.plan.state import initial_state, slot_stream
 from ray_ingest.plan.topology import Topology
@@ -39,8 +48,10 @@ def _cfg(path: str, **loader):
     })
 
 
-def _run(cfg, topo: Topology, epochs: int = 1):
-    loader = IngestLoader(cfg, topo)
+def _run(cfg, topo: Topology, epochs: int = 1, local: bool = False):
+    """Batch records of ``epochs``; ``local``: read and decode in this process, not on Ray."""
+    opener = LocalExecution.factory(cfg, load_catalog(list(cfg.data.paths))) if local else None
+    loader = IngestLoader(cfg, topo, open_execution=opener)
     out = []
     for epoch, batches in loader.epochs(epochs):
         for b in batches:
@@ -80,20 +91,21 @@ def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
             assert r[f"{m}__ext"] == rec[m]["ext"]
 
 
-def test_two_runs_identical_and_epochs_differ(ray_local, dataset):
+def test_a_ray_run_equals_an_independent_run_and_epochs_differ(ray_local, dataset):
     cfg = _cfg(dataset)
     topo = Topology(world_size=2, rank=0, num_workers=2)
     a, _ = _run(cfg, topo, epochs=2)
-    b, _ = _run(cfg, topo, epochs=2)
+    b, _ = _run(cfg, topo, epochs=2, local=True)
     assert a == b
     e0 = [x[2] for x in a if x[0] == 0]
     e1 = [x[2] for x in a if x[0] == 1]
     assert e0 and e1 and e0 != e1
 
 
-def test_group_ranks_identical_and_equal_batch_counts(ray_local, dataset):
+def test_group_ranks_identical_and_equal_batch_counts(dataset):
     cfg = _cfg(dataset)
-    runs = {r: _run(cfg, Topology(world_size=6, rank=r, num_workers=2, group_size=2))[0]
+    runs = {r: _run(cfg, Topology(world_size=6, rank=r, num_workers=2, group_size=2),
+                    local=True)[0]
             for r in range(6)}
     assert runs[0] == runs[1] and runs[2] == runs[3] and runs[4] == runs[5]
     assert runs[0] != runs[2]
@@ -107,7 +119,7 @@ def test_group_ranks_identical_and_equal_batch_counts(ray_local, dataset):
 
 def test_unordered_mode_delivers_the_same_multiset(ray_local, dataset):
     topo = Topology(world_size=2, rank=1, num_workers=2)
-    ordered, _ = _run(_cfg(dataset), topo)
+    ordered, _ = _run(_cfg(dataset), topo, local=True)
     unordered, _ = _run(_cfg(dataset, ordered=False), topo)
     flat = lambda runs: sorted(k for (_, _, keys, pads, _) in runs  # noqa: E731
                                for k, p in zip(keys, pads, strict=True) if not p)
@@ -168,7 +180,8 @@ def test_one_execution_reads_a_window_of_epochs(ray_local, dataset):
     cfg = _cfg(dataset)
     one, loader = _run(cfg, topo, epochs=3)
     assert loader.executions == 1 and len(loader.data_stats) == 1
-    three, loader = _run(_cfg(dataset, max_planned_items=1), topo, epochs=3)  # one epoch each
+    three, loader = _run(_cfg(dataset, max_planned_items=1), topo, epochs=3,  # one epoch each
+                         local=True)
     assert loader.executions == 3
     assert one == three
     assert [x[0] for x in one] == sorted(x[0] for x in one)
@@ -182,15 +195,15 @@ def test_random_crop_is_seeded_per_sample(ray_local, dataset):
         "loader": {"head_start_batches": 0, "batch_size": 8, "seed": 5},
     })
     topo = Topology(world_size=1, rank=0, num_workers=1)
-    a, _ = _run(cfg, topo)
-    b, _ = _run(cfg, topo)
+    a, _ = _run(cfg, topo)  # the crops drawn in decode actors ...
+    b, _ = _run(cfg, topo, local=True)  # ... equal those drawn in this process
     assert a == b
-    centre, _ = _run(_cfg(dataset, seed=5), topo)
+    centre, _ = _run(_cfg(dataset, seed=5), topo, local=True)
     assert [x[2] for x in centre] == [x[2] for x in a]  # same samples ...
     assert [x[4] for x in centre] != [x[4] for x in a]  # ... different pixels
 
 
-def test_aspect_buckets_give_one_shape_per_batch(ray_local, tmp_path):
+def test_aspect_buckets_give_one_shape_per_batch(tmp_path):
     out = str(tmp_path / "buck")
     synth_dataset(out, samples=120, shard_size=10, seed=2, min_side=64, max_side=160,
                   classify_aspect_ratio=True)
@@ -203,7 +216,8 @@ def test_aspect_buckets_give_one_shape_per_batch(ray_local, tmp_path):
     })
     counts = []
     for rank in range(2):
-        loader = IngestLoader(cfg, Topology(world_size=2, rank=rank, num_workers=1))
+        loader = IngestLoader(cfg, Topology(world_size=2, rank=rank, num_workers=1),
+                              open_execution=LocalExecution.factory(cfg, load_catalog([out])))
         shapes = set()
         n = 0
         for _, batches in loader.epochs(1):
