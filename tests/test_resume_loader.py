@@ -1,11 +1,14 @@
-"""Exact resume of the per-rank IngestLoader on a real local Ray (no trainer).
+"""Exact resume of the per-rank IngestLoader (no trainer).
 
 One checkpoint round-trip helper, :func:`run_save_load`, drives every case: run, stop after
 ``stop_after`` batches, save the per-rank state files, merge them back, resume, and compare
-what was delivered before + after with an uninterrupted run. The runs that stop and resume go
-through Ray; the uninterrupted reference is read and decoded in this process by the same code
-(``ray_ingest/headstart.py``, bit-identical to the Ray edge by the stream goldens), so every
-resumed Ray run is checked against an independent execution, one Ray execution fewer each.
+what was delivered before + after with an uninterrupted run. The uninterrupted reference is
+read and decoded in this process by the same code as the Ray edge (``ray_ingest/headstart.py``,
+bit-identical to it by the stream goldens). The runs that stop and resume go through Ray where
+the Ray edge is the subject (an execution closed mid-epoch and a new one started from the saved
+state, with and without key indexes; unordered delivery); where the subject is what is
+re-planned (topology and batch-size changes, several ranks, pid start, buckets) they run
+in-process too (``local=True``), as a Ray run would test the same rows again at ~5 s each.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
 from ray_ingest.stream import IngestLoader, state_file
 from ray_ingest.synth import synth_dataset
-
-pytestmark = pytest.mark.ray
 
 SAMPLES, SHARD = 150, 20  # 8 shards, the last one short: 7 x 20 + 10
 BATCH = 8
@@ -63,15 +64,18 @@ def make_cfg(path: str, **loader):
     })
 
 
-def factory(path: str, world: int = 1, group: int = 1, **loader) -> LoaderFactory:
+def factory(path: str, world: int = 1, group: int = 1, local: bool = False,
+            **loader) -> LoaderFactory:
+    """``local``: every loader it makes reads in-process (not only the references)."""
     cfg = make_cfg(path, **loader)
     catalog = load_catalog([path])
+    always_local = local
 
     def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         topo = Topology(world_size=world, rank=rank, num_workers=cfg.loader.read_workers,
                         group_size=group)
         return IngestLoader(cfg, topo, catalog=catalog, state=state,
-                            open_execution=_local(cfg, catalog, local))
+                            open_execution=_local(cfg, catalog, local or always_local))
 
     return make
 
@@ -156,17 +160,23 @@ def every_sample() -> collections.Counter:
 PER_EPOCH = -(-SAMPLES // BATCH)  # one slot reads everything; the last batch is padded
 
 
-@pytest.mark.parametrize("where", ["initial", "mid-epoch", "end-of-epoch", "next-epoch"])
-def test_round_trip(ray_local, dataset, dataset_no_index, tmp_path, where):
+@pytest.mark.parametrize("where", [
+    "initial", pytest.param("mid-epoch", marks=pytest.mark.ray), "end-of-epoch",
+    pytest.param("next-epoch", marks=pytest.mark.ray)])
+def test_round_trip(request, dataset, dataset_no_index, tmp_path, where):
     """Mid-epoch reads the same tars without key indexes (the resumed shard is streamed past,
-    not seeked); next-epoch resumes mid-shard with the indexes."""
+    not seeked); next-epoch resumes mid-shard with the indexes. Those two stop and resume Ray
+    executions; initial and end-of-epoch (no execution is cut) run in-process."""
+    on_ray = where in ("mid-epoch", "next-epoch")
+    if on_ray:
+        request.getfixturevalue("ray_local")
     stop = {"initial": 0, "mid-epoch": 3, "end-of-epoch": PER_EPOCH,
             "next-epoch": PER_EPOCH + 2}[where]
     base = baseline_of("world1", factory(dataset))
     assert len(base[0]) == 2 * PER_EPOCH
     for e in (0, 1):
         assert real_samples(base[0], e) == every_sample()
-    make = factory(dataset_no_index if where == "mid-epoch" else dataset)
+    make = factory(dataset_no_index if where == "mid-epoch" else dataset, local=not on_ray)
     _, state, _, after = run_save_load(make, stop, tmp_path, baseline=base)
     # what the checkpoint recorded: consumed stream positions and batches, never prefetch
     want_epoch, done = divmod(stop, PER_EPOCH) if stop != PER_EPOCH else (0, PER_EPOCH)
@@ -178,6 +188,7 @@ def test_round_trip(ray_local, dataset, dataset_no_index, tmp_path, where):
         assert after[0][0][:2] == (1, 0)  # the finished epoch yields nothing more
 
 
+@pytest.mark.ray
 def test_unordered_mode_is_exactly_once(ray_local, dataset, tmp_path):
     make = factory(dataset, ordered=False)
     base, state, before, after = run_save_load(make, 4, tmp_path, epochs=1,
@@ -186,9 +197,9 @@ def test_unordered_mode_is_exactly_once(ray_local, dataset, tmp_path):
     assert sum(b - a for a, b in state.current.consumed[0]) == 4 * BATCH
 
 
-def test_ranks_save_their_own_files_and_merge(ray_local, dataset, tmp_path):
+def test_ranks_save_their_own_files_and_merge(dataset, tmp_path):
     """Two slots: each rank writes its own file; the merged state resumes both exactly."""
-    make = factory(dataset, world=2)
+    make = factory(dataset, world=2, local=True)
     base, state, before, after = run_save_load(make, 3, tmp_path, ranks=(0, 1), epochs=1)
     assert sorted(os.listdir(tmp_path / "ingest_state")) == ["rank_00000.json", "rank_00001.json"]
     assert state.current.batches == (3, 3)
@@ -198,16 +209,16 @@ def test_ranks_save_their_own_files_and_merge(ray_local, dataset, tmp_path):
     assert len(before[0] + after[0]) == len(before[1] + after[1])  # equal work
 
 
-def test_topology_change_replans_only_the_rest(ray_local, dataset, tmp_path):
+def test_topology_change_replans_only_the_rest(dataset, tmp_path):
     """Two slots consume part of the epoch; three slots finish it: exactly-once overall."""
-    old = factory(dataset, world=2)
+    old = factory(dataset, world=2, local=True)
     before = []
     for r in (0, 1):
         loader = old(None, r)
         before += collect(loader, 1, 4)
         loader.save(str(tmp_path))
     state = IngestLoader.restore_state(str(tmp_path))
-    new = factory(dataset, world=3)
+    new = factory(dataset, world=3, local=True)
     after = {r: collect(new(state, r), 1) for r in range(3)}
     assert len({len(v) for v in after.values()}) == 1  # every new rank runs the same steps
     # batch numbers continue the epoch's count on every new rank
@@ -233,7 +244,7 @@ def test_fingerprint_mismatch_names_what_changed(dataset, tmp_path):
         factory(dataset, shuffle=False)(state, 0)
 
 
-def test_pid_start_index_is_a_starting_point(ray_local, dataset, tmp_path):
+def test_pid_start_index_is_a_starting_point(dataset, tmp_path):
     """WDS_START_INDEX/WDS_EPOCH_NUM (pid seed mode) pick the start; a checkpoint then wins."""
     env = {"WDS_START_INDEX": str(SHARD * 2), "WDS_EPOCH_NUM": "1"}
     start_index, start_epoch = pid_env_start(env)
@@ -245,7 +256,7 @@ def test_pid_start_index_is_a_starting_point(ray_local, dataset, tmp_path):
         # as train.py does: the env starting point only when there is no checkpoint
         kw = {} if state is not None else {"start_index": start_index, "start_epoch": start_epoch}
         return IngestLoader(cfg, topo, catalog=catalog, state=state,
-                            open_execution=_local(cfg, catalog, local), **kw)
+                            open_execution=_local(cfg, catalog, True), **kw)
 
     base = baseline_of("pid-start", make, epochs=3)
     params = PlanParams(seed_mode="pid", seed=11, repeat=False, start_index=SHARD * 2)
@@ -280,14 +291,15 @@ def test_restore_needs_a_file_for_every_slot(dataset, tmp_path):
     assert IngestLoader.restore_state(str(tmp_path / "none")) is None
 
 
-def test_resume_with_another_batch_size_is_exactly_once(ray_local, dataset, tmp_path):
+def test_resume_with_another_batch_size_is_exactly_once(dataset, tmp_path):
     """Same topology, batch 8 -> 20: the rest of the epoch is re-planned in batches of 20."""
-    loader = factory(dataset)(None, 0)
+    loader = factory(dataset, local=True)(None, 0)
     before = collect(loader, 1, 5)
     loader.save(str(tmp_path))
     state = IngestLoader.restore_state(str(tmp_path))
     cfg = make_cfg(dataset, batch_size=20)
-    resumed = IngestLoader(cfg, Topology(world_size=1, num_workers=2), state=state)
+    resumed = IngestLoader(cfg, Topology(world_size=1, num_workers=2), state=state,
+                           open_execution=_local(cfg, load_catalog([dataset]), True))
     after = collect(resumed, 1)
     assert real_samples(before + after, 0) == every_sample()
     assert [len(b[2]) for b in after] == [20] * 6  # 110 samples left: 6 batches, the last padded
@@ -301,7 +313,7 @@ def test_parallel_groups_need_ordered_delivery(dataset):
     factory(dataset, world=4, group=1, ordered=False)(None, 0)  # independent slots: fine
 
 
-def test_aspect_buckets_resume_exactly_once(ray_local, tmp_path):
+def test_aspect_buckets_resume_exactly_once(tmp_path):
     """Bucketed batches: rows buffered in a bucket when the checkpoint was taken were not
     consumed, so they are read again; the epoch stays exactly-once with the same batch count."""
     out = str(tmp_path / "buckets")
@@ -319,7 +331,7 @@ def test_aspect_buckets_resume_exactly_once(ray_local, tmp_path):
 
     def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         return IngestLoader(cfg, Topology(world_size=1, num_workers=2), catalog=catalog,
-                            state=state, open_execution=_local(cfg, catalog, local))
+                            state=state, open_execution=_local(cfg, catalog, True))
 
     base, state, before, after = run_save_load(make, 5, tmp_path / "ckpt", epochs=1,
                                                same_sequence=False)
