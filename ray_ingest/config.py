@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 CROP_MODES = ("center", "random")
 ON_ERROR = ("raise", "skip")
+COMPUTE_MODES = ("actors", "tasks")
 GROUP_SHARE = ("broadcast", "off")
 
 
@@ -140,7 +141,12 @@ class DecodeConfig:
     max_member_bytes: int = attrs.field(default=512 * 1024**2, validator=_at_least(1))
     #: Pillow's decompression-bomb limit in pixels.
     max_image_pixels: int = attrs.field(default=178_956_970, validator=_at_least(1))
-    #: Elastic decode actor pool: min..max actors.
+    #: What decodes: ``actors``, the elastic pool of pool_min..pool_max decode actors (new
+    #: processes for every execution, ~2-3 s each to start), or ``tasks``, Ray tasks on the
+    #: node's reused worker processes, at most pool_max at a time (an execution starts in
+    #: ~0.3 s once workers are warm: cheap resumes and windows on small nodes; no pool floor).
+    compute: str = attrs.field(default="actors", validator=_one_of(COMPUTE_MODES))
+    #: Elastic decode actor pool: min..max actors (tasks: pool_max is the concurrency cap).
     pool_min: int = attrs.field(default=1, validator=_at_least(1))
     pool_max: int = attrs.field(default=2, validator=_at_least(1))
     #: Logical CPUs per decode actor (fractional avoids small-cluster deadlocks).

@@ -121,7 +121,10 @@ class Decoder:
             # Only ask a running Ray: get_runtime_context() would start (or join) one.
             if ray.is_initialized():
                 ctx = ray.get_runtime_context()
-                self.actor_id = ctx.get_actor_id() or "driver"
+                # a task (decode.compute: tasks) is named by its worker process
+                worker = ctx.worker.mode == ray.WORKER_MODE
+                self.actor_id = ctx.get_actor_id() or (
+                    f"task-worker:{ctx.get_worker_id()}" if worker else "driver")
                 self.node_id = ctx.get_node_id()
         except Exception:  # outside Ray (tests, cat)
             pass

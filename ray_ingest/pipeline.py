@@ -11,6 +11,7 @@ were, not wrapped in Ray's task errors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -173,7 +174,8 @@ def _current(ctx: DataContext) -> Iterator[None]:
 def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
                   world_size: int = 1, metric_tags: dict[str, str] | None = None,
                   token: str | None = None) -> ray.data.Dataset:
-    """Read ``items`` in order and decode them on the elastic actor pool.
+    """Read ``items`` in order and decode them on the elastic actor pool (``decode.compute:
+    tasks``: in Ray tasks on reused worker processes).
 
     With ``loader.fused_read`` the decode actors read their items themselves (``ReadDecoder``);
     otherwise read tasks (``TwinTarDatasource``) feed raw bytes to them through the object store.
@@ -192,12 +194,16 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
                                       override_num_blocks=max(1, len(items)), **read_kw)
+        kwargs = {"cfg": cfg.decode, "seed": cfg.loader.seed, "on_error": cfg.loader.on_error}
+        if cfg.decode.compute == "tasks":
+            fn, fn_kw = functools.partial(_decode_task, kwargs), {
+                "concurrency": cfg.decode.pool_max}
+        else:
+            fn, fn_kw = Decoder, {"fn_constructor_kwargs": kwargs,
+                                  "compute": _actor_pool(cfg)}
         return ds.map_batches(
-            Decoder,
-            fn_constructor_kwargs={"cfg": cfg.decode, "seed": cfg.loader.seed,
-                                   "on_error": cfg.loader.on_error},
-            compute=ActorPoolStrategy(min_size=cfg.decode.pool_min,
-                                      max_size=cfg.decode.pool_max),
+            fn,
+            **fn_kw,
             num_cpus=cfg.decode.num_cpus,
             batch_size=None,
             batch_format="pyarrow",
@@ -217,17 +223,38 @@ def _fused(cfg: Config, catalog: Catalog, items: Sequence[ReadItem], world_size:
     shards = {it.sid: catalog.shard(it.sid) for it in items}
     with _current(execution_context(cfg, world_size, token)):
         ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
+        kwargs = {"cfg": cfg, "shards": shards, "metric_tags": metric_tags}
+        if cfg.decode.compute == "tasks":
+            fn, fn_kw = functools.partial(_read_decode_task, kwargs), {
+                "concurrency": cfg.decode.pool_max}
+        else:
+            fn, fn_kw = ReadDecoder, {"fn_constructor_kwargs": kwargs,
+                                      "compute": _actor_pool(cfg)}
         return ds.map_batches(
-            ReadDecoder,
-            fn_constructor_kwargs={"cfg": cfg, "shards": shards, "metric_tags": metric_tags},
-            compute=ActorPoolStrategy(min_size=cfg.decode.pool_min,
-                                      max_size=cfg.decode.pool_max),
+            fn,
+            **fn_kw,
             num_cpus=cfg.decode.num_cpus,
             batch_size=1,
             batch_format="numpy",
             zero_copy_batch=True,
             **map_kw,
         )
+
+
+def _actor_pool(cfg: Config) -> ActorPoolStrategy:
+    return ActorPoolStrategy(min_size=cfg.decode.pool_min, max_size=cfg.decode.pool_max)
+
+
+def _decode_task(kwargs: dict[str, Any], batch: Any) -> Any:
+    """``decode.compute: tasks``: one block decoded by a task on a reused worker process (the
+    Decoder is rebuilt per block: a few geometry objects, nothing to load)."""
+    return Decoder(**kwargs)(batch)
+
+
+def _read_decode_task(kwargs: dict[str, Any],
+                      batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+    """``decode.compute: tasks`` with ``loader.fused_read``: :class:`ReadDecoder` in a task."""
+    yield from ReadDecoder(**kwargs)(batch)
 
 
 class ReadDecoder:

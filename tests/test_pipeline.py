@@ -19,6 +19,7 @@ import pytest
 
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
+from ray_ingest.errors import ConfigError
 from ray_ingest.headstart import LocalExecution
 from ray_ingest.plan.epoch import read_items
 from ray_ingest.plan.state import initial_state, slot_stream
@@ -42,7 +43,9 @@ def dataset(tmp_path_factory):
 def _cfg(path: str, **loader):
     return config_from_dict({
         "data": {"paths": [path]},
-        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25},
+        # decode tasks: these tests are not about the actor pool (its own tests below)
+        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
+                   "compute": "tasks"},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 8, "read_workers": 2, "seed": 7, "block_rows": 16, **loader},
     })
@@ -58,6 +61,13 @@ def _run(cfg, topo: Topology, epochs: int = 1, local: bool = False):
             digest = hashlib.sha1(b["image"].numpy().tobytes()).hexdigest()
             out.append((epoch, b.step_in_epoch, tuple(b.keys), tuple(b.pads), digest))
     return out, loader
+
+
+def test_decode_compute_is_actors_or_tasks(dataset):
+    assert config_from_dict({"data": {"paths": [dataset]}}).decode.compute == "actors"
+    with pytest.raises(ConfigError, match=r"decode.compute: expected one of actors, tasks, "
+                                          r"got 'threads'"):
+        config_from_dict({"data": {"paths": [dataset]}, "decode": {"compute": "threads"}})
 
 
 def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
@@ -180,6 +190,8 @@ def test_one_execution_reads_a_window_of_epochs(ray_local, dataset):
     cfg = _cfg(dataset)
     one, loader = _run(cfg, topo, epochs=3)
     assert loader.executions == 1 and len(loader.data_stats) == 1
+    # decode.compute: tasks: decoded by Ray tasks, named by their worker processes
+    assert loader.actors_seen and all(a.startswith("task-worker:") for a in loader.actors_seen)
     three, loader = _run(_cfg(dataset, max_planned_items=1), topo, epochs=3,  # one epoch each
                          local=True)
     assert loader.executions == 3
@@ -191,11 +203,11 @@ def test_random_crop_is_seeded_per_sample(ray_local, dataset):
     cfg = config_from_dict({
         "data": {"paths": [dataset]},
         "decode": {"resolution": 32, "crop": "random", "pool_min": 1, "pool_max": 2,
-                   "num_cpus": 0.25},
+                   "num_cpus": 0.25, "compute": "tasks"},
         "loader": {"head_start_batches": 0, "batch_size": 8, "seed": 5},
     })
     topo = Topology(world_size=1, rank=0, num_workers=1)
-    a, _ = _run(cfg, topo)  # the crops drawn in decode actors ...
+    a, _ = _run(cfg, topo)  # the crops drawn in Ray's worker processes ...
     b, _ = _run(cfg, topo, local=True)  # ... equal those drawn in this process
     assert a == b
     centre, _ = _run(_cfg(dataset, seed=5), topo, local=True)

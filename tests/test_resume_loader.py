@@ -58,7 +58,10 @@ def dataset_no_index(dataset, tmp_path_factory):
 def make_cfg(path: str, **loader):
     return config_from_dict({
         "data": {"paths": [path]},
-        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
+        # decode tasks: an execution cut and restarted is the subject, not the actor pool
+        # (the stream goldens resume through actors)
+        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
+                   "compute": "tasks"},
         "loader": {"batch_size": BATCH, "read_workers": 2, "seed": 11, "block_rows": 8,
                    "read_num_cpus": 0.25, **loader},
     })

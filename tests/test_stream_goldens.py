@@ -32,7 +32,8 @@ from ray_ingest.synth import synth_dataset
 from tests.datagen import write_tar
 
 GOLDEN = Path(__file__).parent / "goldens" / "stream.json"
-#: "ray" (the real Ray Data execution) or "local" (ray_ingest/headstart.py), set per test.
+#: "ray" (the real Ray Data execution, decode actors), "tasks" (the same, ``decode.compute:
+#: tasks``) or "local" (ray_ingest/headstart.py), set per test.
 ENGINE = ["ray"]
 WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
 
@@ -68,12 +69,13 @@ def corrupt(plain, tmp_path_factory) -> str:
 
 
 def _cfg(path: str, decode: dict[str, Any] | None = None, **loader: Any):
-    if ENGINE[0] == "ray":  # the Ray edge alone (the head start is a test of its own)
+    if ENGINE[0] in ("ray", "tasks"):  # the Ray edge alone (the head start is a test of its own)
         loader.setdefault("head_start_batches", 0)
+    compute = "tasks" if ENGINE[0] == "tasks" else "actors"
     return config_from_dict({
         "data": {"paths": [path]},
         "decode": {"resolution": 24, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
-                   **(decode or {})},
+                   "compute": compute, **(decode or {})},
         "loader": {"batch_size": 8, "read_workers": 2, "seed": 11, "block_rows": 8,
                    "read_num_cpus": 0.25, **loader},
     })
@@ -136,17 +138,20 @@ CASES = {
 }
 
 
-#: Cases run through the real Ray edge too. The others differ from these only in what is
-#: planned (pure code, the same for both engines): through Ray they would test the same rows
-#: again at ~25 s each, so they run in-process only.
+#: Cases run through the real Ray edge with decode actors (the default) too. The others differ
+#: from these only in what is planned (pure code, the same for every engine): through actors
+#: they would test the same rows again at ~25 s each, so they run through Ray with
+#: ``decode.compute: tasks`` (no actor processes to start: a few seconds each). Every case
+#: also runs in-process.
 RAY_CASES = ("aspect_buckets", "epoch_mode", "resume_mid_epoch", "skip_corrupt")
 
 
 @pytest.mark.parametrize("case, engine", [
     *(pytest.param(c, "ray", marks=pytest.mark.ray) for c in sorted(RAY_CASES)),
+    *(pytest.param(c, "tasks", marks=pytest.mark.ray) for c in sorted(set(CASES) - set(RAY_CASES))),
     *((c, "local") for c in sorted(CASES))])
 def test_golden(request, plain, bucketed, corrupt, tmp_path, case, engine):
-    if engine == "ray":
+    if engine in ("ray", "tasks"):
         request.getfixturevalue("ray_local")
     ENGINE[0] = engine
     got = json.loads(json.dumps(CASES[case]({"plain": plain, "bucketed": bucketed,
