@@ -42,7 +42,10 @@ def job(tmp_path_factory):
     synth_dataset(data, samples=SAMPLES, shard_size=SHARD, seed=9, min_side=32, max_side=40)
     cfg = {
         "data": {"paths": [data], "modalities": ["image", "caption"]},
-        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
+        # decode tasks: no decode processes to start per execution (the subject is the
+        # trainer's restarts; the multi-node train-node loss restarts with decode actors)
+        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
+                   "compute": "tasks"},
         "loader": {"batch_size": BATCH, "seed": 4, "read_workers": 2, "block_rows": 16,
                    "read_num_cpus": 0.25},
         "train": {"num_workers": 2, "group_size": 2, "cpus_per_worker": 0.25,
