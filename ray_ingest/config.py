@@ -144,7 +144,8 @@ class DecodeConfig:
     #: What decodes: ``actors``, the elastic pool of pool_min..pool_max decode actors (new
     #: processes for every execution, ~2-3 s each to start), or ``tasks``, Ray tasks on the
     #: node's reused worker processes, at most pool_max at a time (an execution starts in
-    #: ~0.3 s once workers are warm: cheap resumes and windows on small nodes; no pool floor).
+    #: ~0.3 s once workers are warm: cheap resumes and windows on small nodes; no pool floor,
+    #: and a lower steady rate: docs/operations.md).
     compute: str = attrs.field(default="actors", validator=_one_of(COMPUTE_MODES))
     #: Elastic decode actor pool: min..max actors (tasks: pool_max is the concurrency cap).
     pool_min: int = attrs.field(default=1, validator=_at_least(1))

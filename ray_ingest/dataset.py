@@ -31,6 +31,7 @@ Ray lives here (and in :mod:`ray_ingest.source`); the tar logic stays in the pur
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import posixpath
@@ -232,6 +233,11 @@ def _default_decode(modalities: Sequence[str]) -> DecodeConfig:
     )
 
 
+def _decode_columns_task(cfg: DecodeConfig, seed: int, batch: pa.Table) -> dict[str, Any]:
+    """:class:`_DecodeColumns` for ``decode.compute: tasks``."""
+    return _DecodeColumns(cfg, seed)(batch)
+
+
 class _DecodeColumns:
     """``ray_ingest.decode.Decoder`` (the loader's decode) keeping the public columns."""
 
@@ -294,7 +300,8 @@ def read_twin_tars(
         use_index: seek with the ``<tar>.idx.json`` key indexes when slicing shards.
         decode: True or a :class:`~ray_ingest.config.DecodeConfig`: decode with the loader's
             :class:`~ray_ingest.decode.Decoder` on an autoscaling actor pool
-            (``pool_min..pool_max`` actors, ``num_cpus`` each). The decoded columns replace the
+            (``pool_min..pool_max`` actors, ``num_cpus`` each; ``compute="tasks"``: in at
+            most ``pool_max`` Ray tasks). The decoded columns replace the
             raw ones: image -> uint8 ``(H, W, 3)`` resized/cropped to the config's resolution
             or bucket shape (a Ray tensor column), caption -> str (JSON ``prompt`` or text),
             embedding -> the ``.npy`` array (a variable-shaped tensor column). Other modalities
@@ -353,10 +360,15 @@ def read_twin_tars(
         num_cpus=num_cpus, memory=memory, label_selector=label_selector)
     if cfg is None:
         return ds
+    if cfg.compute == "tasks":  # decode in tasks on reused worker processes
+        udf: dict[str, Any] = {"fn": functools.partial(_decode_columns_task, cfg, seed),
+                               "compute": ray.data.TaskPoolStrategy(size=cfg.pool_max)}
+    else:
+        udf = {"fn": _DecodeColumns, "fn_constructor_args": (cfg, seed),
+               "compute": ray.data.ActorPoolStrategy(min_size=cfg.pool_min,
+                                                     max_size=cfg.pool_max)}
     return ds.map_batches(
-        _DecodeColumns,
-        fn_constructor_args=(cfg, seed),
-        compute=ray.data.ActorPoolStrategy(min_size=cfg.pool_min, max_size=cfg.pool_max),
+        **udf,
         num_cpus=cfg.num_cpus,
         batch_format="pyarrow",
         udf_modifying_row_count=False,

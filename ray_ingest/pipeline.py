@@ -16,12 +16,12 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import ray
-from ray.data import ActorPoolStrategy, DataContext
+from ray.data import ActorPoolStrategy, DataContext, TaskPoolStrategy
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 from ray.data._internal.execution.interfaces import ExecutionResources
 
@@ -194,13 +194,8 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
                                       override_num_blocks=max(1, len(items)), **read_kw)
-        kwargs = {"cfg": cfg.decode, "seed": cfg.loader.seed, "on_error": cfg.loader.on_error}
-        if cfg.decode.compute == "tasks":
-            fn, fn_kw = functools.partial(_decode_task, kwargs), {
-                "concurrency": cfg.decode.pool_max}
-        else:
-            fn, fn_kw = Decoder, {"fn_constructor_kwargs": kwargs,
-                                  "compute": _actor_pool(cfg)}
+        fn, fn_kw = _decode_udf(cfg, Decoder, _decode_task, {
+            "cfg": cfg.decode, "seed": cfg.loader.seed, "on_error": cfg.loader.on_error})
         return ds.map_batches(
             fn,
             **fn_kw,
@@ -223,13 +218,8 @@ def _fused(cfg: Config, catalog: Catalog, items: Sequence[ReadItem], world_size:
     shards = {it.sid: catalog.shard(it.sid) for it in items}
     with _current(execution_context(cfg, world_size, token)):
         ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
-        kwargs = {"cfg": cfg, "shards": shards, "metric_tags": metric_tags}
-        if cfg.decode.compute == "tasks":
-            fn, fn_kw = functools.partial(_read_decode_task, kwargs), {
-                "concurrency": cfg.decode.pool_max}
-        else:
-            fn, fn_kw = ReadDecoder, {"fn_constructor_kwargs": kwargs,
-                                      "compute": _actor_pool(cfg)}
+        fn, fn_kw = _decode_udf(cfg, ReadDecoder, _read_decode_task, {
+            "cfg": cfg, "shards": shards, "metric_tags": metric_tags})
         return ds.map_batches(
             fn,
             **fn_kw,
@@ -241,8 +231,16 @@ def _fused(cfg: Config, catalog: Catalog, items: Sequence[ReadItem], world_size:
         )
 
 
-def _actor_pool(cfg: Config) -> ActorPoolStrategy:
-    return ActorPoolStrategy(min_size=cfg.decode.pool_min, max_size=cfg.decode.pool_max)
+def _decode_udf(cfg: Config, actor_cls: type, task_fn: Callable[..., Any],
+                kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The decode step's UDF and its ``map_batches`` arguments: ``actor_cls`` on the elastic
+    pool of pool_min..pool_max actors, or (``decode.compute: tasks``) ``task_fn`` in at most
+    pool_max tasks at a time."""
+    if cfg.decode.compute == "tasks":
+        return functools.partial(task_fn, kwargs), {
+            "compute": TaskPoolStrategy(size=cfg.decode.pool_max)}
+    return actor_cls, {"fn_constructor_kwargs": kwargs, "compute": ActorPoolStrategy(
+        min_size=cfg.decode.pool_min, max_size=cfg.decode.pool_max)}
 
 
 def _decode_task(kwargs: dict[str, Any], batch: Any) -> Any:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -163,6 +164,15 @@ def test_decoded_columns_come_from_the_loader_decoder(ray_local, buckets):
 
         np.testing.assert_array_equal(r["umt5"], np.load(io.BytesIO(raw)))
         assert "image__ext" not in r and "__sid__" not in r
+    # decode.compute: tasks decodes the same columns in Ray tasks
+    tasks = attrs.evolve(cfg, compute="tasks")
+    by_key = {r["__key__"]: r for r in
+              ray_ingest.read_twin_tars(str(buckets), decode=tasks, **RAY).take_all()}
+    assert sorted(by_key) == sorted(r["__key__"] for r in rows)
+    for r in rows:
+        t = by_key[r["__key__"]]
+        assert r["caption"] == t["caption"]
+        np.testing.assert_array_equal(r["image"], t["image"])
 
 
 # --------------------------------------------------------------------------- writing
