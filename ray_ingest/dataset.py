@@ -31,7 +31,6 @@ Ray lives here (and in :mod:`ray_ingest.source`); the tar logic stays in the pur
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import posixpath
@@ -50,6 +49,7 @@ from ray.data.datasource import Datasink, Datasource, ReadTask
 from ray_ingest.catalog import TarSample, discover, join_url, load_catalog, url_dirname
 from ray_ingest.config import DecodeConfig
 from ray_ingest.errors import ConfigError, IngestError
+from ray_ingest.pipeline import decode_udf
 from ray_ingest.reader import ReadOptions
 from ray_ingest.shard import _groups as group_into_shards
 from ray_ingest.source import DEFAULT_SAMPLE_BYTES, ReadItem, read_item
@@ -233,11 +233,6 @@ def _default_decode(modalities: Sequence[str]) -> DecodeConfig:
     )
 
 
-def _decode_columns_task(cfg: DecodeConfig, seed: int, batch: pa.Table) -> dict[str, Any]:
-    """:class:`_DecodeColumns` for ``decode.compute: tasks``."""
-    return _DecodeColumns(cfg, seed)(batch)
-
-
 class _DecodeColumns:
     """``ray_ingest.decode.Decoder`` (the loader's decode) keeping the public columns."""
 
@@ -360,15 +355,8 @@ def read_twin_tars(
         num_cpus=num_cpus, memory=memory, label_selector=label_selector)
     if cfg is None:
         return ds
-    if cfg.compute == "tasks":  # decode in tasks on reused worker processes
-        udf: dict[str, Any] = {"fn": functools.partial(_decode_columns_task, cfg, seed),
-                               "compute": ray.data.TaskPoolStrategy(size=cfg.pool_max)}
-    else:
-        udf = {"fn": _DecodeColumns, "fn_constructor_args": (cfg, seed),
-               "compute": ray.data.ActorPoolStrategy(min_size=cfg.pool_min,
-                                                     max_size=cfg.pool_max)}
     return ds.map_batches(
-        **udf,
+        **decode_udf(cfg, _DecodeColumns, {"cfg": cfg, "seed": seed}),
         num_cpus=cfg.num_cpus,
         batch_format="pyarrow",
         udf_modifying_row_count=False,

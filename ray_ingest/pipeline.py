@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from ray.data._internal.execution.execution_callback import ExecutionCallback
 from ray.data._internal.execution.interfaces import ExecutionResources
 
 from ray_ingest.catalog import Catalog
-from ray_ingest.config import Config
+from ray_ingest.config import Config, DecodeConfig
 from ray_ingest.decode import Decoder
 from ray_ingest.errors import IngestError, StallError
 from ray_ingest.plan.epoch import ReadItem
@@ -194,11 +194,9 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
                                       override_num_blocks=max(1, len(items)), **read_kw)
-        fn, fn_kw = _decode_udf(cfg, Decoder, _decode_task, {
-            "cfg": cfg.decode, "seed": cfg.loader.seed, "on_error": cfg.loader.on_error})
         return ds.map_batches(
-            fn,
-            **fn_kw,
+            **decode_udf(cfg.decode, Decoder, {"cfg": cfg.decode, "seed": cfg.loader.seed,
+                                               "on_error": cfg.loader.on_error}),
             num_cpus=cfg.decode.num_cpus,
             batch_size=None,
             batch_format="pyarrow",
@@ -218,11 +216,9 @@ def _fused(cfg: Config, catalog: Catalog, items: Sequence[ReadItem], world_size:
     shards = {it.sid: catalog.shard(it.sid) for it in items}
     with _current(execution_context(cfg, world_size, token)):
         ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
-        fn, fn_kw = _decode_udf(cfg, ReadDecoder, _read_decode_task, {
-            "cfg": cfg, "shards": shards, "metric_tags": metric_tags})
         return ds.map_batches(
-            fn,
-            **fn_kw,
+            **decode_udf(cfg.decode, ReadDecoder,
+                         {"cfg": cfg, "shards": shards, "metric_tags": metric_tags}),
             num_cpus=cfg.decode.num_cpus,
             batch_size=1,
             batch_format="numpy",
@@ -231,28 +227,20 @@ def _fused(cfg: Config, catalog: Catalog, items: Sequence[ReadItem], world_size:
         )
 
 
-def _decode_udf(cfg: Config, actor_cls: type, task_fn: Callable[..., Any],
-                kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The decode step's UDF and its ``map_batches`` arguments: ``actor_cls`` on the elastic
-    pool of pool_min..pool_max actors, or (``decode.compute: tasks``) ``task_fn`` in at most
-    pool_max tasks at a time."""
-    if cfg.decode.compute == "tasks":
-        return functools.partial(task_fn, kwargs), {
-            "compute": TaskPoolStrategy(size=cfg.decode.pool_max)}
-    return actor_cls, {"fn_constructor_kwargs": kwargs, "compute": ActorPoolStrategy(
-        min_size=cfg.decode.pool_min, max_size=cfg.decode.pool_max)}
+def decode_udf(dc: DecodeConfig, cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``map_batches`` arguments of a decode step: ``cls(**kwargs)`` on the elastic pool of
+    pool_min..pool_max actors, or (``decode.compute: tasks``) built per block in at most
+    pool_max tasks at a time on reused worker processes (a few geometry objects to build,
+    nothing to load)."""
+    if dc.compute == "tasks":
+        return {"fn": functools.partial(_in_task, cls, kwargs),
+                "compute": TaskPoolStrategy(size=dc.pool_max)}
+    return {"fn": cls, "fn_constructor_kwargs": kwargs,
+            "compute": ActorPoolStrategy(min_size=dc.pool_min, max_size=dc.pool_max)}
 
 
-def _decode_task(kwargs: dict[str, Any], batch: Any) -> Any:
-    """``decode.compute: tasks``: one block decoded by a task on a reused worker process (the
-    Decoder is rebuilt per block: a few geometry objects, nothing to load)."""
-    return Decoder(**kwargs)(batch)
-
-
-def _read_decode_task(kwargs: dict[str, Any],
-                      batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-    """``decode.compute: tasks`` with ``loader.fused_read``: :class:`ReadDecoder` in a task."""
-    yield from ReadDecoder(**kwargs)(batch)
+def _in_task(cls: type, kwargs: dict[str, Any], batch: Any) -> Any:
+    return cls(**kwargs)(batch)  # a dict, or ReadDecoder's generator of blocks
 
 
 class ReadDecoder:

@@ -8,7 +8,7 @@ bit-identical to it by the stream goldens). The runs that stop and resume go thr
 the Ray edge is the subject (an execution closed mid-epoch and a new one started from the saved
 state, with and without key indexes; unordered delivery); where the subject is what is
 re-planned (topology and batch-size changes, several ranks, pid start, buckets) they run
-in-process too (``local=True``), as a Ray run would test the same rows again at ~5 s each.
+in-process too (``all_local``), as a Ray run would test the same rows again at ~5 s each.
 """
 
 from __future__ import annotations
@@ -67,24 +67,20 @@ def make_cfg(path: str, **loader):
     })
 
 
-def factory(path: str, world: int = 1, group: int = 1, local: bool = False,
+def factory(path: str, world: int = 1, group: int = 1, all_local: bool = False,
             **loader) -> LoaderFactory:
-    """``local``: every loader it makes reads in-process (not only the references)."""
+    """``all_local``: every loader it makes reads in-process (not only the references)."""
     cfg = make_cfg(path, **loader)
     catalog = load_catalog([path])
-    always_local = local
 
     def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         topo = Topology(world_size=world, rank=rank, num_workers=cfg.loader.read_workers,
                         group_size=group)
         return IngestLoader(cfg, topo, catalog=catalog, state=state,
-                            open_execution=_local(cfg, catalog, local or always_local))
+                            open_execution=LocalExecution.factory(cfg, catalog)
+                            if local or all_local else None)
 
     return make
-
-
-def _local(cfg, catalog, local: bool):
-    return LocalExecution.factory(cfg, catalog) if local else None
 
 
 def record(epoch: int, b) -> Record:
@@ -179,7 +175,7 @@ def test_round_trip(request, dataset, dataset_no_index, tmp_path, where):
     assert len(base[0]) == 2 * PER_EPOCH
     for e in (0, 1):
         assert real_samples(base[0], e) == every_sample()
-    make = factory(dataset_no_index if where == "mid-epoch" else dataset, local=not on_ray)
+    make = factory(dataset_no_index if where == "mid-epoch" else dataset, all_local=not on_ray)
     _, state, _, after = run_save_load(make, stop, tmp_path, baseline=base)
     # what the checkpoint recorded: consumed stream positions and batches, never prefetch
     want_epoch, done = divmod(stop, PER_EPOCH) if stop != PER_EPOCH else (0, PER_EPOCH)
@@ -202,7 +198,7 @@ def test_unordered_mode_is_exactly_once(ray_local, dataset, tmp_path):
 
 def test_ranks_save_their_own_files_and_merge(dataset, tmp_path):
     """Two slots: each rank writes its own file; the merged state resumes both exactly."""
-    make = factory(dataset, world=2, local=True)
+    make = factory(dataset, world=2, all_local=True)
     base, state, before, after = run_save_load(make, 3, tmp_path, ranks=(0, 1), epochs=1)
     assert sorted(os.listdir(tmp_path / "ingest_state")) == ["rank_00000.json", "rank_00001.json"]
     assert state.current.batches == (3, 3)
@@ -214,14 +210,14 @@ def test_ranks_save_their_own_files_and_merge(dataset, tmp_path):
 
 def test_topology_change_replans_only_the_rest(dataset, tmp_path):
     """Two slots consume part of the epoch; three slots finish it: exactly-once overall."""
-    old = factory(dataset, world=2, local=True)
+    old = factory(dataset, world=2, all_local=True)
     before = []
     for r in (0, 1):
         loader = old(None, r)
         before += collect(loader, 1, 4)
         loader.save(str(tmp_path))
     state = IngestLoader.restore_state(str(tmp_path))
-    new = factory(dataset, world=3, local=True)
+    new = factory(dataset, world=3, all_local=True)
     after = {r: collect(new(state, r), 1) for r in range(3)}
     assert len({len(v) for v in after.values()}) == 1  # every new rank runs the same steps
     # batch numbers continue the epoch's count on every new rank
@@ -259,7 +255,7 @@ def test_pid_start_index_is_a_starting_point(dataset, tmp_path):
         # as train.py does: the env starting point only when there is no checkpoint
         kw = {} if state is not None else {"start_index": start_index, "start_epoch": start_epoch}
         return IngestLoader(cfg, topo, catalog=catalog, state=state,
-                            open_execution=_local(cfg, catalog, True), **kw)
+                            open_execution=LocalExecution.factory(cfg, catalog), **kw)
 
     base = baseline_of("pid-start", make, epochs=3)
     params = PlanParams(seed_mode="pid", seed=11, repeat=False, start_index=SHARD * 2)
@@ -296,13 +292,13 @@ def test_restore_needs_a_file_for_every_slot(dataset, tmp_path):
 
 def test_resume_with_another_batch_size_is_exactly_once(dataset, tmp_path):
     """Same topology, batch 8 -> 20: the rest of the epoch is re-planned in batches of 20."""
-    loader = factory(dataset, local=True)(None, 0)
+    loader = factory(dataset, all_local=True)(None, 0)
     before = collect(loader, 1, 5)
     loader.save(str(tmp_path))
     state = IngestLoader.restore_state(str(tmp_path))
     cfg = make_cfg(dataset, batch_size=20)
     resumed = IngestLoader(cfg, Topology(world_size=1, num_workers=2), state=state,
-                           open_execution=_local(cfg, load_catalog([dataset]), True))
+                           open_execution=LocalExecution.factory(cfg, load_catalog([dataset])))
     after = collect(resumed, 1)
     assert real_samples(before + after, 0) == every_sample()
     assert [len(b[2]) for b in after] == [20] * 6  # 110 samples left: 6 batches, the last padded
@@ -334,7 +330,7 @@ def test_aspect_buckets_resume_exactly_once(tmp_path):
 
     def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         return IngestLoader(cfg, Topology(world_size=1, num_workers=2), catalog=catalog,
-                            state=state, open_execution=_local(cfg, catalog, True))
+                            state=state, open_execution=LocalExecution.factory(cfg, catalog))
 
     base, state, before, after = run_save_load(make, 5, tmp_path / "ckpt", epochs=1,
                                                same_sequence=False)
