@@ -68,7 +68,7 @@ def execution_context(cfg: Config, world_size: int = 1,
     limits = rank_limits(cfg, world_size)
     if limits is not None:
         ctx.execution_options.resource_limits = limits
-    if cfg.decode.scale_down_hold_s > 0:
+    if cfg.decode.scale_down_hold_s > 0 and cfg.decode.compute == "actors":  # tasks: no pool
         ctx.set_config(HOLD_KEY, float(cfg.decode.scale_down_hold_s))
         ctx.custom_execution_callback_classes = [*ctx.custom_execution_callback_classes,
                                                  HoldScaleDown]
