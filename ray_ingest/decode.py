@@ -15,7 +15,6 @@ import logging
 import pickle
 import re
 import time
-import warnings
 from typing import Any
 
 import numpy as np
@@ -96,6 +95,20 @@ def load_array(data: bytes, ext: str, allow_pickle: bool) -> np.ndarray:
     raise SampleError(f"unsupported embedding format .{ext}")
 
 
+def _refuse_bomb(size: tuple[int, int], limit: int) -> None:
+    """Pillow's warning level of its decompression-bomb check, as an error.
+
+    Not ``warnings.catch_warnings``: its filters are the process's, and decode threads
+    (``decode.compute: threads``) entering and leaving it at once would restore each other's,
+    letting an over-limit image through. Same test and message as Pillow's.
+    """
+    pixels = max(1, size[0]) * max(1, size[1])
+    if pixels > limit:
+        raise Image.DecompressionBombWarning(
+            f"Image size ({pixels} pixels) exceeds limit of {limit} pixels, "
+            "could be decompression bomb DOS attack.")
+
+
 class Decoder:
     """Callable class for ``Dataset.map_batches(..., batch_format="pyarrow")``."""
 
@@ -145,11 +158,10 @@ class Decoder:
                     f".{ext} members execute code when loaded; set decode.allow_pickle: true to opt in"
                 )
             raise SampleError(f"unsupported image format .{ext}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            draft_for(img, geom)
-            img.load()
+        img = Image.open(io.BytesIO(data))  # raises DecompressionBombError beyond 2x the limit
+        _refuse_bomb(img.size, self.cfg.max_image_pixels)
+        draft_for(img, geom)
+        img.load()
         return resize_crop(img, geom, rng_seed)
 
     def decode_row(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -196,11 +208,16 @@ class Decoder:
             out[cfg.embedding_key] = None
         return out
 
-    def __call__(self, batch: pa.Table) -> dict[str, np.ndarray]:
+    def __call__(self, batch: pa.Table | dict[str, list[Any]]) -> dict[str, np.ndarray]:
         # CPU seconds of this thread (decode_cpu_s): on a busy node wall time would count the
         # time other processes held the cores
         t0 = time.thread_time()
-        rows = batch.to_pylist()
+        if isinstance(batch, pa.Table):
+            rows = batch.to_pylist()
+        else:  # Python column lists (ray_ingest.source.read_item_columns)
+            names = list(batch)
+            rows = [dict(zip(names, values, strict=True))
+                    for values in zip(*batch.values(), strict=True)]
         decoded: list[dict[str, Any]] = []
         errors: list[str] = []
         for row in rows:
