@@ -32,7 +32,7 @@ from ray_ingest.errors import IngestError, StallError
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import read_options
 from ray_ingest.sizing import block_rows
-from ray_ingest.source import TwinTarDatasource, read_item
+from ray_ingest.source import TwinTarDatasource, read_item_columns
 from ray_ingest.window import Handoff
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def execution_context(cfg: Config, world_size: int = 1,
     limits = rank_limits(cfg, world_size)
     if limits is not None:
         ctx.execution_options.resource_limits = limits
-    if cfg.decode.scale_down_hold_s > 0 and cfg.decode.compute == "actors":  # tasks: no pool
+    if cfg.decode.scale_down_hold_s > 0 and cfg.decode.compute != "tasks":  # tasks: no pool
         ctx.set_config(HOLD_KEY, float(cfg.decode.scale_down_hold_s))
         ctx.custom_execution_callback_classes = [*ctx.custom_execution_callback_classes,
                                                  HoldScaleDown]
@@ -231,7 +231,8 @@ def decode_udf(dc: DecodeConfig, cls: type, kwargs: dict[str, Any]) -> dict[str,
     """``map_batches`` arguments of a decode step: ``cls(**kwargs)`` on the elastic pool of
     pool_min..pool_max actors, or (``decode.compute: tasks``) built per block in at most
     pool_max tasks at a time on reused worker processes (a few geometry objects to build,
-    nothing to load)."""
+    nothing to load). On Ray every other mode (``auto``, ``threads``) means the actor pool:
+    threads are the loader's in-process path, which never builds a dataset."""
     if dc.compute == "tasks":
         return {"fn": functools.partial(_in_task, cls, kwargs),
                 "compute": TaskPoolStrategy(size=dc.pool_max)}
@@ -263,9 +264,9 @@ class ReadDecoder:
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(batch["sid"])):
             item = ReadItem(**{f: batch[f][i].item() for f in ITEM_FIELDS})
-            for table in read_item(self.shards[item.sid], item, self.opts, self.block_rows,
-                                   self.on_error, self.metric_tags):
-                yield self.decoder(table)
+            for cols in read_item_columns(self.shards[item.sid], item, self.opts,
+                                          self.block_rows, self.on_error, self.metric_tags):
+                yield self.decoder(cols)
 
 
 class Execution:
