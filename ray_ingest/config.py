@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 CROP_MODES = ("center", "random")
 ON_ERROR = ("raise", "skip")
-COMPUTE_MODES = ("actors", "tasks")
+COMPUTE_MODES = ("auto", "actors", "tasks", "threads")
 GROUP_SHARE = ("broadcast", "off")
 
 
@@ -142,11 +142,19 @@ class DecodeConfig:
     #: Pillow's decompression-bomb limit in pixels.
     max_image_pixels: int = attrs.field(default=178_956_970, validator=_at_least(1))
     #: What decodes: ``actors``, the elastic pool of pool_min..pool_max decode actors (new
-    #: processes for every execution, ~2-3 s each to start), or ``tasks``, Ray tasks on the
+    #: processes for every execution, ~2-3 s each to start); ``tasks``, Ray tasks on the
     #: node's reused worker processes, at most pool_max at a time (an execution starts in
     #: ~0.3 s once workers are warm: cheap resumes and windows on small nodes; no pool floor,
-    #: and a lower steady rate: docs/operations.md).
-    compute: str = attrs.field(default="actors", validator=_one_of(COMPUTE_MODES))
+    #: and a lower steady rate: docs/operations.md); ``threads``, ``threads`` threads of the
+    #: rank's own process (no Ray: ray_ingest/threads.py); ``auto``, threads on a small
+    #: single-node cluster, actors otherwise (:func:`ray_ingest.threads.resolve_compute`).
+    compute: str = attrs.field(default="auto", validator=_one_of(COMPUTE_MODES))
+    #: Decode threads of ``compute: threads`` (None: twice the cores this process may use:
+    #: a thread waiting for the GIL or a read leaves its core to another).
+    threads: int | None = attrs.field(default=None, validator=_opt_at_least(1))
+    #: ``compute: auto`` decodes in threads on a one-node cluster whose node (as this process
+    #: sees it) has at most this many cores, where decode actors cost more than they add.
+    small_node_cores: int = attrs.field(default=4, validator=_at_least(0))
     #: Elastic decode actor pool: min..max actors (tasks: pool_max is the concurrency cap).
     pool_min: int = attrs.field(default=1, validator=_at_least(1))
     pool_max: int = attrs.field(default=2, validator=_at_least(1))

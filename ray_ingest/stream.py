@@ -16,6 +16,7 @@ never what was prefetched.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,6 +42,7 @@ from ray_ingest.plan.topology import Topology
 from ray_ingest.progress import Progress
 from ray_ingest.sizing import block_rows
 from ray_ingest.skips import SkipFilter
+from ray_ingest.threads import THREAD_ACTOR, ThreadedExecution, resolve_compute, usable_cores
 from ray_ingest.window import EpochWindow, Execution, Handoff
 
 __all__ = ["STATE_DIR", "Batch", "IngestLoader", "StageClock", "plan_params", "state_file"]
@@ -110,6 +112,8 @@ class IngestLoader:
         self.batcher = BucketBatcher(bsz, bucketing=bool(cfg.decode.buckets))
         self.shard_bucket = self.catalog.buckets if cfg.decode.buckets else None
         self._open_execution = open_execution or self._ray_execution
+        #: What decodes (``decode.compute`` with ``auto`` resolved for this cluster).
+        self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
         self.clock = StageClock()
         self.data_stats: list[str] = []
         self.actors_seen: set[str] = set()
@@ -321,7 +325,7 @@ class IngestLoader:
         """Move a block's instrumentation columns into the clock and the observed actors."""
         actors = block.pop(ACTOR, None)
         if actors is not None and len(actors):
-            ids = [a for a in actors.tolist() if a != HEAD_ACTOR]
+            ids = [a for a in actors.tolist() if a not in (HEAD_ACTOR, THREAD_ACTOR)]
             if ids:  # rows of the head start are not the pool's
                 self.actors_seen.update(ids)
                 self.recorder.on_actors(ids)
@@ -356,6 +360,8 @@ class IngestLoader:
         return self._open_execution(items)
 
     def _ray_execution(self, items: list[ReadItem]) -> Execution:
+        if self.compute == "threads":  # this process decodes: no Ray involved
+            return ThreadedExecution(self.cfg, self.catalog, items, self.recorder.tags)
         from ray_ingest.pipeline import Execution
 
         # one pipeline per group when its leader decodes for it: a share of the cluster each
@@ -383,13 +389,23 @@ class IngestLoader:
 
     def metrics(self) -> dict[str, Any]:
         """Stage timings and counters collected so far (see docs/observability)."""
-        return {**self.clock.to_dict(), "actors_seen": len(self.actors_seen),
+        return {**self.clock.to_dict(), "decode_compute": self.compute,
+                "actors_seen": len(self.actors_seen),
                 "executions": self.executions,
                 "head_start_rows": sum(h.head_rows for h in self._heads),
                 "decode_nodes": dict(self.decode_nodes), "read_nodes": dict(self.read_nodes),
                 "skips_in_epoch": len(self.state.skips),
                 "skips_total": sum(self.skips_by_kind.values()),
                 "skips_by_kind": dict(self.skips_by_kind)}
+
+
+def _ray_nodes() -> int | None:
+    """Alive nodes of the Ray cluster this process is connected to (None: not connected).
+    Asks only a Ray already imported and initialised: this module does not start one."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
 
 
 def _count_nodes(counts: dict[str, int], nodes: np.ndarray | None) -> None:

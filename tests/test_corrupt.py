@@ -194,10 +194,13 @@ def damaged(pristine, tmp_path_factory) -> Path:
     return damaged_copy(pristine, tmp_path_factory.mktemp("corrupt") / "all", list(KINDS))
 
 
-def cfg_for(path: Path, **loader: Any):
+def cfg_for(path: Path, compute: str = "actors", **loader: Any):
+    """The Ray edge's decode actors unless ``compute`` says otherwise (``threads``: the rank's
+    own threads, what ``auto`` picks on a small node)."""
     return config_from_dict({
         "data": {"paths": [str(path)]},
         "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
+                   "compute": compute,
                    "max_member_bytes": MAX_MEMBER_BYTES, "max_image_pixels": MAX_PIXELS},
         "loader": {"batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 4,
                    "shuffle": False, "equal_work": False, "prefetch_batches": 1, **loader},
@@ -259,11 +262,12 @@ def test_raise_names_shard_key_and_reason(pristine, tmp_path, kind):
 
 
 @pytest.mark.ray
-def test_raise_through_the_loader_is_one_line(ray_local, pristine, tmp_path):
+@pytest.mark.parametrize("compute", ["actors", "threads"])
+def test_raise_through_the_loader_is_one_line(ray_local, pristine, tmp_path, compute):
     # decode-level: the IngestError from the decode actor, not a Ray traceback
     root = damaged_copy(pristine, tmp_path / "jpeg", ["corrupt_jpeg"])
     with pytest.raises(IngestError) as info:
-        run(cfg_for(root))
+        run(cfg_for(root, compute))
     text = str(info.value)
     assert "\n" not in text and type(info.value) is IngestError
     assert re.fullmatch(rf"shard {re.escape(rel(0))} key {key(0, 1)} index 1: cannot decode: "
@@ -271,7 +275,7 @@ def test_raise_through_the_loader_is_one_line(ray_local, pristine, tmp_path):
     # read-level: the read task's TarFormatError keeps its type
     root = damaged_copy(pristine, tmp_path / "header", ["bad_header"])
     with pytest.raises(IngestError) as info:
-        run(cfg_for(root))
+        run(cfg_for(root, compute))
     text = str(info.value)
     assert "\n" not in text and type(info.value).__name__ == "TarFormatError"
     # (the loader cuts a shard into tasks of block_rows samples: the one at index 4 read no key)

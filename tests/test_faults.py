@@ -63,7 +63,8 @@ def test_killed_decode_actor_is_restarted_and_nothing_is_lost(dataset, backpress
                                                               remote_figures):
     cfg = config_from_dict({
         "data": {"paths": [str(dataset)]},
-        "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
+        "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
+                   "compute": "actors"},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 4,
                    "prefetch_batches": 1, "seed": 4},

@@ -183,7 +183,7 @@ def pipeline_cfg(paths: list[str], storage_options: dict):
         "data": {"paths": paths, "modalities": ["image", "caption", "umt5"],
                  "storage_options": storage_options},
         "decode": {"resolution": 16, "embedding_key": "umt5", "pool_min": 1, "pool_max": 2,
-                   "num_cpus": 0.25},
+                   "num_cpus": 0.25, "compute": "actors"},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 8,
                    "seed": 3, "prefetch_batches": 1},

@@ -101,6 +101,7 @@ def test_loader_and_read_metrics_reach_the_metrics_endpoint(ray_local, tmp_path)
     cfg = config_from_dict({
         "data": {"paths": [str(root)]},
         "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
+                   "compute": "actors",
                    "max_member_bytes": 64 * 1024},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 4, "read_workers": 1, "shuffle": False, "equal_work": False,

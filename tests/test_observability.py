@@ -26,7 +26,7 @@ def test_stage_fractions_add_up_to_the_measured_loop_time(ray_local, tmp_path):
     synth_dataset(str(root), samples=48, shard_size=12, seed=0, min_side=24, max_side=48)
     cfg = config_from_dict({
         "data": {"paths": [str(root)]},
-        "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1},
+        "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "compute": "actors"},
         "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1},
     })
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))

@@ -63,11 +63,11 @@ def _run(cfg, topo: Topology, epochs: int = 1, local: bool = False):
     return out, loader
 
 
-def test_decode_compute_is_actors_or_tasks(dataset):
-    assert config_from_dict({"data": {"paths": [dataset]}}).decode.compute == "actors"
-    with pytest.raises(ConfigError, match=r"decode.compute: expected one of actors, tasks, "
-                                          r"got 'threads'"):
-        config_from_dict({"data": {"paths": [dataset]}, "decode": {"compute": "threads"}})
+def test_decode_compute_is_auto_actors_tasks_or_threads(dataset):
+    assert config_from_dict({"data": {"paths": [dataset]}}).decode.compute == "auto"
+    with pytest.raises(ConfigError, match=r"decode.compute: expected one of auto, actors, tasks, "
+                                          r"threads, got 'processes'"):
+        config_from_dict({"data": {"paths": [dataset]}, "decode": {"compute": "processes"}})
 
 
 def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
@@ -158,7 +158,8 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
     synth_dataset(out, samples=360, shard_size=12, seed=1, min_side=256, max_side=384)
     cfg = config_from_dict({
         "data": {"paths": [out]},
-        "decode": {"resolution": 192, "pool_min": 1, "pool_max": 3, "num_cpus": 0.25},
+        "decode": {"resolution": 192, "pool_min": 1, "pool_max": 3, "num_cpus": 0.25,
+                   "compute": "actors"},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 12, "read_workers": 1, "block_rows": 4, "prefetch_batches": 8},
     })
@@ -174,7 +175,8 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
     assert not per_epoch[1] - loader.actors_seen
     fixed = config_from_dict({
         "data": {"paths": [out]},
-        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
+        "decode": {"resolution": 32, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
+                   "compute": "actors"},
         "loader": {"head_start_batches": 0, "batch_size": 12, "read_workers": 1, "block_rows": 4},
     })
     loader = IngestLoader(fixed, Topology(world_size=1, rank=0, num_workers=1))
@@ -255,6 +257,7 @@ def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
     cfg = config_from_dict({
         "data": {"paths": [out]},
         "decode": {"resolution": 96, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
+                   "compute": "actors",
                    "scale_down_hold_s": 60},
         "loader": {"head_start_batches": 0, "batch_size": 16, "read_workers": 1, "block_rows": 16,
                    "object_store_limit": 16_000_000},

@@ -5,7 +5,8 @@ execution per job (``tests/goldens/stream.json``); every case must still reprodu
 shard ids, indices, pads, buckets, skips and the sha1 of every image tensor, per batch, per rank.
 
 Every case also runs with the Ray edge replaced by the same read and decode code in this process
-(ray_ingest/headstart.py): the loader's other stages reproduce the goldens without a cluster.
+(ray_ingest/headstart.py): the loader's other stages reproduce the goldens without a cluster;
+and on ``decode.compute: threads`` (ray_ingest/threads.py), the decode path of small nodes.
 
 Re-record only on purpose (a deliberate change of the delivered data), with
 ``RAY_INGEST_WRITE_GOLDENS=1 .venv/bin/python -m pytest tests/test_stream_goldens.py``.
@@ -33,7 +34,8 @@ from tests.datagen import write_tar
 
 GOLDEN = Path(__file__).parent / "goldens" / "stream.json"
 #: "ray" (the real Ray Data execution, decode actors), "tasks" (the same, ``decode.compute:
-#: tasks``) or "local" (ray_ingest/headstart.py), set per test.
+#: tasks``), "local" (ray_ingest/headstart.py) or "threads" (``decode.compute: threads``, the
+#: loader's own in-process path, ray_ingest/threads.py), set per test.
 ENGINE = ["ray"]
 WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
 
@@ -71,7 +73,7 @@ def corrupt(plain, tmp_path_factory) -> str:
 def _cfg(path: str, decode: dict[str, Any] | None = None, **loader: Any):
     if ENGINE[0] in ("ray", "tasks"):  # the Ray edge alone (the head start is a test of its own)
         loader.setdefault("head_start_batches", 0)
-    compute = "tasks" if ENGINE[0] == "tasks" else "actors"
+    compute = {"tasks": "tasks", "threads": "threads"}.get(ENGINE[0], "actors")
     return config_from_dict({
         "data": {"paths": [path]},
         "decode": {"resolution": 24, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
@@ -149,7 +151,8 @@ RAY_CASES = ("epoch_mode", "resume_mid_epoch")
 @pytest.mark.parametrize("case, engine", [
     *(pytest.param(c, "ray", marks=pytest.mark.ray) for c in sorted(RAY_CASES)),
     *(pytest.param(c, "tasks", marks=pytest.mark.ray) for c in sorted(set(CASES) - set(RAY_CASES))),
-    *((c, "local") for c in sorted(CASES))])
+    *((c, "local") for c in sorted(CASES)),
+    *((c, "threads") for c in sorted(CASES))])
 def test_golden(request, plain, bucketed, corrupt, tmp_path, case, engine):
     if engine in ("ray", "tasks"):
         request.getfixturevalue("ray_local")

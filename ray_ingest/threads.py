@@ -1,0 +1,146 @@
+"""``decode.compute: threads``: read and decode in the consumer's process, on a thread pool.
+
+On a small node the consumer's own cores are all there is, and Ray's decode actors add what a
+2-core machine feels: more processes, each block serialized into the object store and read back,
+and Ray Data's executor and iterator threads in the driver (docs/benchmarks.md, "Where the cores
+go"). Pillow releases the GIL while it decodes and resizes, so threads in this process use the
+cores without any of that. Items are read and decoded ``threads`` at a time, a bounded number
+ahead, and handed out in stream order: the rows are exactly those of the Ray edge (the same
+read and decode code), so plans, padding, skips and resume are unchanged. What it gives up is
+what Ray is for: decode nodes, elastic pools, a crashing decoder isolated from the trainer, and
+Python-heavy decode that holds the GIL. No Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from ray_ingest.catalog import Catalog
+from ray_ingest.columns import ACTOR, SEQ
+from ray_ingest.config import Config, DecodeConfig
+from ray_ingest.errors import StallError
+from ray_ingest.headstart import LocalExecution
+from ray_ingest.plan.epoch import ReadItem
+
+Block = dict[str, np.ndarray]
+
+#: ``__actor__`` of rows decoded by the consumer's threads (no decode actor).
+THREAD_ACTOR = "decode-threads"
+#: Read items decoded ahead per thread: one being consumed, one being decoded.
+AHEAD_PER_THREAD = 2
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), not the machine's or Ray's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def decode_threads(dc: DecodeConfig) -> int:
+    """``decode.threads``, or twice the usable cores (measured: docs/benchmarks.md)."""
+    return dc.threads or 2 * usable_cores()
+
+
+def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:
+    """``decode.compute``, ``auto`` resolved: ``threads`` on a small one-node cluster.
+
+    Args:
+        dc: the decode settings.
+        nodes: alive nodes of the Ray cluster (None: no Ray running, this machine alone).
+        cores: cores this process may use (:func:`usable_cores`).
+
+    Decode actors pay for themselves where there are cores beyond this node's to spread over
+    or a node large enough that a second process's start-up and IPC are small next to its
+    decode; on a node of a few cores they take a tenth of it (docs/benchmarks.md). A label
+    selector names decode nodes of their own, so it always means actors.
+    """
+    if dc.compute != "auto":
+        return dc.compute
+    if dc.label_selector or (nodes or 1) > 1 or cores > dc.small_node_cores:
+        return "actors"
+    return "threads"
+
+
+class ThreadedExecution:
+    """An :class:`~ray_ingest.window.Execution` on ``threads`` threads of this process.
+
+    Every thread keeps its own :class:`~ray_ingest.headstart.LocalExecution` (its decoder and
+    readers), so no decode state is shared between threads. At most ``threads *
+    AHEAD_PER_THREAD`` items are decoded and not yet consumed, which bounds memory at that many
+    decoded blocks. An error of a read item re-raises, as it was, when its blocks are due; a
+    wait for one longer than ``loader.stall_timeout_s`` (a read that hangs) raises
+    :class:`~ray_ingest.errors.StallError`, as on the Ray edge.
+    """
+
+    def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
+                 metric_tags: dict[str, str] | None = None, threads: int | None = None):
+        self.cfg, self.catalog, self.metric_tags = cfg, catalog, metric_tags
+        self.items = [it for it in items if it.count > 0]
+        self.threads = threads or decode_threads(cfg.decode)
+        self._ahead = self.threads * AHEAD_PER_THREAD
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: collections.deque[Future[list[Block]]] = collections.deque()
+        self._next = 0
+        self.closed = False
+        self.read = 0
+
+    def _decode(self, item: ReadItem) -> list[Block]:
+        ex = getattr(self._local, "ex", None)
+        if ex is None:
+            ex = self._local.ex = LocalExecution(self.cfg, self.catalog, [], self.metric_tags)
+        if self.closed:
+            return []
+        blocks = list(ex.item_blocks(item))
+        for block in blocks:
+            block[ACTOR] = np.full(len(block[SEQ]), THREAD_ACTOR, dtype=object)
+        return blocks
+
+    def _fill(self) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ray_ingest-decode")
+        while (not self.closed and len(self._pending) < self._ahead
+               and self._next < len(self.items)):
+            self._pending.append(self._pool.submit(self._decode, self.items[self._next]))
+            self._next += 1
+
+    def start(self) -> None:
+        """Begin decoding the first items now (before the first block is asked for)."""
+        self._fill()
+
+    def blocks(self) -> Iterator[Block]:
+        self._fill()
+        timeout = self.cfg.loader.stall_timeout_s
+        while self._pending and not self.closed:
+            item = self.items[self.read]
+            try:
+                blocks = self._pending.popleft().result(timeout=timeout)
+            except FutureTimeout:
+                raise StallError(
+                    f"no decoded block for loader.stall_timeout_s ({timeout:g} s) of waiting: "
+                    f"reading or decoding {self.catalog.path(item.sid)} rows {item.start}.."
+                    f"{item.start + item.count - 1} is stuck (decode.compute: threads)") from None
+            self.read += 1
+            self._fill()
+            yield from blocks
+
+    def stats(self) -> str:
+        return f"threads: {self.read} read items decoded on {self.threads} threads"
+
+    def close(self) -> None:
+        """Stop: queued items are dropped, running ones finish in the background."""
+        self.closed = True
+        for fut in self._pending:
+            fut.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
