@@ -214,7 +214,7 @@ class Decoder:
         t0 = time.thread_time()
         if isinstance(batch, pa.Table):
             rows = batch.to_pylist()
-        else:  # Python column lists (ray_ingest.source.read_item_columns)
+        else:  # Python column lists (ray_ingest.source.read_item(arrow=False))
             names = list(batch)
             rows = [dict(zip(names, values, strict=True))
                     for values in zip(*batch.values(), strict=True)]

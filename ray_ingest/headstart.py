@@ -25,7 +25,7 @@ from ray_ingest.decode import Decoder
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import read_options
 from ray_ingest.sizing import block_rows
-from ray_ingest.source import read_item_columns
+from ray_ingest.source import read_item
 from ray_ingest.window import Execution, Handoff
 
 Block = dict[str, np.ndarray]
@@ -60,9 +60,9 @@ class LocalExecution:
     def item_blocks(self, item: ReadItem) -> Iterator[Block]:
         """The decoded blocks of one read item."""
         self.read += 1
-        for cols in read_item_columns(self.catalog.shard(item.sid), item, self.opts,
-                                      self.rows_per_block, self.cfg.loader.on_error,
-                                      self.metric_tags, log_skips=False):
+        for cols in read_item(self.catalog.shard(item.sid), item, self.opts,
+                              self.rows_per_block, self.cfg.loader.on_error, self.metric_tags,
+                              log_skips=False, arrow=False):
             yield self.decoder(cols)
 
     def blocks(self) -> Iterator[Block]:

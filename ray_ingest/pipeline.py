@@ -32,7 +32,7 @@ from ray_ingest.errors import IngestError, StallError
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import read_options
 from ray_ingest.sizing import block_rows
-from ray_ingest.source import TwinTarDatasource, read_item_columns
+from ray_ingest.source import TwinTarDatasource, read_item
 from ray_ingest.window import Handoff
 
 log = logging.getLogger(__name__)
@@ -264,8 +264,8 @@ class ReadDecoder:
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         for i in range(len(batch["sid"])):
             item = ReadItem(**{f: batch[f][i].item() for f in ITEM_FIELDS})
-            for cols in read_item_columns(self.shards[item.sid], item, self.opts,
-                                          self.block_rows, self.on_error, self.metric_tags):
+            for cols in read_item(self.shards[item.sid], item, self.opts, self.block_rows,
+                                  self.on_error, self.metric_tags, arrow=False):
                 yield self.decoder(cols)
 
 

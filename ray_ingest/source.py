@@ -47,7 +47,7 @@ from ray_ingest.errors import IngestError
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import ReadOptions, read_shard
 
-__all__ = ["ReadItem", "TwinTarDatasource", "read_item", "read_item_columns"]
+__all__ = ["ReadItem", "TwinTarDatasource", "read_item"]
 
 log = logging.getLogger(__name__)
 
@@ -84,28 +84,16 @@ def read_item(
     on_error: str = "raise",
     metric_tags: Mapping[str, str] | None = None,
     log_skips: bool = True,
-) -> Iterator[pa.Table]:
+    arrow: bool = True,
+) -> Iterator[pa.Table | dict[str, list[Any]]]:
     """Generator behind one ReadTask: Arrow blocks of at most ``block_rows`` rows.
 
-    ``log_skips`` false where the loader's skip filter logs every skip (same process)."""
+    ``log_skips`` false where the loader's skip filter logs every skip (same process).
+    ``arrow`` false: the same blocks as Python column lists, for a decoder in the reading
+    process (decode actors that read their own items, the loader's threads), which would
+    otherwise copy every payload into Arrow and straight back into Python bytes."""
     with metrics.read_scope(metric_tags):
-        yield from _read_item(shard, item, opts, block_rows, on_error, log_skips, arrow=True)
-
-
-def read_item_columns(
-    shard: TarSample,
-    item: ReadItem,
-    opts: ReadOptions,
-    block_rows: int,
-    on_error: str = "raise",
-    metric_tags: Mapping[str, str] | None = None,
-    log_skips: bool = True,
-) -> Iterator[dict[str, list[Any]]]:
-    """:func:`read_item`'s blocks as Python column lists, for a decoder in the same process
-    (decode actors that read their own items, the loader's threads): no Arrow copy of every
-    payload that the decoder would turn back into Python bytes at once."""
-    with metrics.read_scope(metric_tags):
-        yield from _read_item(shard, item, opts, block_rows, on_error, log_skips, arrow=False)
+        yield from _read_item(shard, item, opts, block_rows, on_error, log_skips, arrow)
 
 
 def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int,

@@ -111,7 +111,7 @@ class IngestLoader:
                                 on_skip=self.recorder.on_skip)
         self.batcher = BucketBatcher(bsz, bucketing=bool(cfg.decode.buckets))
         self.shard_bucket = self.catalog.buckets if cfg.decode.buckets else None
-        self._open_execution = open_execution or self._ray_execution
+        self._open_execution = open_execution or self._default_execution
         #: What decodes (``decode.compute`` with ``auto`` resolved for this cluster).
         self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
         self.clock = StageClock()
@@ -326,7 +326,7 @@ class IngestLoader:
         actors = block.pop(ACTOR, None)
         if actors is not None and len(actors):
             ids = [a for a in actors.tolist() if a not in (HEAD_ACTOR, THREAD_ACTOR)]
-            if ids:  # rows of the head start are not the pool's
+            if ids:  # rows of the head start and of decode threads are not the pool's
                 self.actors_seen.update(ids)
                 self.recorder.on_actors(ids)
         _count_nodes(self.decode_nodes, block.pop(NODE, None))
@@ -359,7 +359,7 @@ class IngestLoader:
         self.executions += 1
         return self._open_execution(items)
 
-    def _ray_execution(self, items: list[ReadItem]) -> Execution:
+    def _default_execution(self, items: list[ReadItem]) -> Execution:
         if self.compute == "threads":  # this process decodes: no Ray involved
             return ThreadedExecution(self.cfg, self.catalog, items, self.recorder.tags)
         from ray_ingest.pipeline import Execution

@@ -164,11 +164,11 @@ def test_a_stuck_read_raises_a_stall_error_naming_the_item(setup, monkeypatch):
 
 
 def test_column_lists_read_and_decode_as_the_arrow_blocks(setup):
-    """read_item_columns (decoders in the reading process) = read_item (Arrow, read tasks)."""
+    """Column lists (decoders in the reading process) = Arrow blocks (read tasks)."""
     from ray_ingest.columns import T_READ
     from ray_ingest.decode import Decoder
     from ray_ingest.reader import read_options
-    from ray_ingest.source import read_item, read_item_columns
+    from ray_ingest.source import read_item
 
     cfg, catalog, items = setup
     opts = read_options(cfg)
@@ -176,7 +176,7 @@ def test_column_lists_read_and_decode_as_the_arrow_blocks(setup):
     for item in items[:4]:
         shard = catalog.shard(item.sid)
         tables = list(read_item(shard, item, opts, 8))
-        lists = list(read_item_columns(shard, item, opts, 8))
+        lists = list(read_item(shard, item, opts, 8, arrow=False))
         assert [t.num_rows for t in tables] == [len(c["__key__"]) for c in lists]
         for table, cols in zip(tables, lists, strict=True):
             assert table.schema.names == list(cols)
