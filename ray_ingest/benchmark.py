@@ -10,6 +10,8 @@ Contenders (all decode with the same function: Pillow + JPEG draft + resize/cent
   wds_dl_pw  the same DataLoader with ``persistent_workers=True`` (start-up paid once)
   ray_wds    ray.data.read_webdataset(image tars) + map_batches decode (no twin join)
   ceiling    single-process read+decode loop, throughput x cores
+  ceiling_par  the same loop in ``--cores`` processes at once, each on its share of the image
+             tars, sending back only counts: what the cores deliver with no transfer at all
 Every contender runs ``--epochs`` epochs in one job. Per contender: the whole-run rate
 (samples / wall time from the start of the job, start-up included), the steady-state rate
 (samples after the first batch of each epoch / time from that batch to the epoch's last batch),
@@ -146,8 +148,55 @@ def run_ceiling(root: str, res: int, batch: int, cores: int, epochs: int) -> Bat
             yield epoch, n
 
 
+def _ceiling_worker(urls: list[str], res: int, batch: int, go, out) -> None:
+    """One process of ``ceiling_par``: per epoch asked for on ``go``, decode ``urls``; counts."""
+    while (epoch := go.get()) is not None:
+        n = 0
+        for url in urls:
+            with tarfile.open(url, "r|") as tf:
+                for ti in tf:
+                    if ti.isfile():
+                        decode_image(tf.extractfile(ti).read(), res)
+                        n += 1
+                        if n == batch:
+                            out.put((epoch, n))
+                            n = 0
+        out.put((epoch, n))
+        out.put((epoch, None))
+
+
+def run_ceiling_par(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # not fork: this process runs Ray's threads
+    urls = shard_urls(root, "image")
+    out = ctx.Queue()
+    gos = [ctx.Queue() for _ in range(cores)]
+    procs = [ctx.Process(target=_ceiling_worker, args=(urls[w::cores], res, batch, gos[w], out),
+                         daemon=True) for w in range(cores)]
+    for p in procs:
+        p.start()
+    try:
+        for epoch in range(epochs):
+            for go in gos:
+                go.put(epoch)
+            done = 0
+            while done < cores:
+                e, n = out.get()
+                if n is None:
+                    done += 1
+                elif n:
+                    yield e, n
+    finally:
+        for go in gos:
+            go.put(None)
+        for p in procs:
+            p.join(timeout=10)
+
+
 CONTENDERS = {"ours": run_ours, "wds_dl": run_wds_dl, "wds_dl_pw": run_wds_dl_pw,
-              "ray_wds": run_ray_wds, "ceiling": run_ceiling}
+              "ray_wds": run_ray_wds, "ceiling": run_ceiling,
+              "ceiling_par": run_ceiling_par}
 #: Ratios printed, with the goal of issue 10 where it sets one.
 GOALS = {"wds_dl_pw": {"whole": 1.0, "steady": 1.1}}
 

@@ -18,14 +18,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ray_ingest.catalog import Catalog
 from ray_ingest.columns import ACTOR, SEQ
-from ray_ingest.config import Config
-from ray_ingest.decode import Decoder
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan.epoch import ReadItem
-from ray_ingest.reader import read_options
-from ray_ingest.sizing import block_rows
-from ray_ingest.source import read_item
 from ray_ingest.window import Execution, Handoff
 
 Block = dict[str, np.ndarray]
@@ -33,49 +28,6 @@ Block = dict[str, np.ndarray]
 #: ``__actor__`` of the rows the head decoded (not a decode actor of the pool).
 HEAD_ACTOR = "head-start"
 HEAD_THREAD = "ray_ingest-head"
-
-
-class LocalExecution:
-    """Read and decode ``items`` in this process: what the Ray edge computes, without Ray.
-
-    Its skips are not logged here: the loader's skip filter, in this process, logs every one
-    with its rank (a decode actor's go to that actor's log).
-    """
-
-    def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
-                 metric_tags: dict[str, str] | None = None):
-        self.cfg, self.catalog, self.items = cfg, catalog, list(items)
-        self.decoder = Decoder(cfg.decode, seed=cfg.loader.seed, on_error=cfg.loader.on_error,
-                               log_skips=False)
-        self.metric_tags = metric_tags
-        self.opts = read_options(cfg)
-        self.rows_per_block = block_rows(cfg)
-        self.closed = False
-        self.read = 0
-
-    @classmethod
-    def factory(cls, cfg: Config, catalog: Catalog):
-        return lambda items: cls(cfg, catalog, items)
-
-    def item_blocks(self, item: ReadItem) -> Iterator[Block]:
-        """The decoded blocks of one read item."""
-        self.read += 1
-        for cols in read_item(self.catalog.shard(item.sid), item, self.opts,
-                              self.rows_per_block, self.cfg.loader.on_error, self.metric_tags,
-                              log_skips=False, arrow=False):
-            yield self.decoder(cols)
-
-    def blocks(self) -> Iterator[Block]:
-        for item in self.items:
-            if self.closed:
-                return
-            yield from self.item_blocks(item)
-
-    def stats(self) -> str:
-        return f"local: {self.read} read items"
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def split_head(items: Sequence[ReadItem], rows: int) -> tuple[list[ReadItem], list[ReadItem]]:

@@ -33,7 +33,8 @@ from ray_ingest.columns import ACTOR, BYTES, ERROR, NODE, READ_NODE, SEQ, T_DECO
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
 from ray_ingest.group import GroupShare, Message
-from ray_ingest.headstart import HEAD_ACTOR, HeadStart, LocalExecution, split_head
+from ray_ingest.headstart import HEAD_ACTOR, HeadStart, split_head
+from ray_ingest.local import LocalExecution
 from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window

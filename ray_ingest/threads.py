@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import collections
 import os
+import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,14 +28,15 @@ from ray_ingest.catalog import Catalog
 from ray_ingest.columns import ACTOR, SEQ
 from ray_ingest.config import Config, DecodeConfig
 from ray_ingest.errors import StallError
-from ray_ingest.headstart import LocalExecution
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan.epoch import ReadItem
+from ray_ingest.sizing import block_rows
 
 Block = dict[str, np.ndarray]
 
 #: ``__actor__`` of rows decoded by the consumer's threads (no decode actor).
 THREAD_ACTOR = "decode-threads"
-#: Read items decoded ahead per thread: one being consumed, one being decoded.
+#: Read items read and decoded ahead per thread (their units are decoded in stream order).
 AHEAD_PER_THREAD = 2
 
 
@@ -73,11 +76,16 @@ def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:
 class ThreadedExecution:
     """An :class:`~ray_ingest.window.Execution` on ``threads`` threads of this process.
 
-    Every thread keeps its own :class:`~ray_ingest.headstart.LocalExecution` (its decoder and
-    readers), so no decode state is shared between threads. At most ``threads *
-    AHEAD_PER_THREAD`` items are decoded and not yet consumed, which bounds memory at that many
-    decoded blocks. An error of a read item re-raises, as it was, when its blocks are due; a
-    wait for one longer than ``loader.stall_timeout_s`` (a read that hangs) raises
+    A pool thread reads a read item and submits each unit of at most a batch's rows (fewer where
+    ``loader.max_block_bytes`` asks) to the pool as it is read; units are decoded in stream
+    order, several at once, and handed out as each is done. Decoding whole items instead would
+    hand rows out in bursts of ``threads`` items every ``threads`` items' decode time (as the
+    bench's 0.4 s gaps showed), so that the boundary of an epoch stalls by chance. Every thread
+    keeps its own :class:`~ray_ingest.local.LocalExecution` (its decoder and readers), so no
+    decode state is shared between threads. At most ``threads * AHEAD_PER_THREAD`` items are
+    read and not yet consumed, which bounds memory at that many items' rows. An error of a unit
+    re-raises, as it was, when its rows are due; a wait for one longer than
+    ``loader.stall_timeout_s`` (a read that hangs) raises
     :class:`~ray_ingest.errors.StallError`, as on the Ray edge.
     """
 
@@ -86,61 +94,86 @@ class ThreadedExecution:
         self.cfg, self.catalog, self.metric_tags = cfg, catalog, metric_tags
         self.items = [it for it in items if it.count > 0]
         self.threads = threads or decode_threads(cfg.decode)
+        #: Rows decoded as one unit: a batch at most, so rows come out as steadily as batches.
+        self.unit_rows = max(1, min(block_rows(cfg), cfg.loader.batch_size))
         self._ahead = self.threads * AHEAD_PER_THREAD
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: collections.deque[Future[list[Block]]] = collections.deque()
+        #: Items being read or consumed, in stream order, each with its units' decodes (ended
+        #: by None) as they are submitted.
+        self._pending: collections.deque[tuple[ReadItem, queue.SimpleQueue]] = collections.deque()
         self._next = 0
         self.closed = False
+        #: Items read and consumed.
         self.read = 0
 
-    def _decode(self, item: ReadItem) -> list[Block]:
+    def _worker(self) -> LocalExecution:
         ex = getattr(self._local, "ex", None)
         if ex is None:
             ex = self._local.ex = LocalExecution(self.cfg, self.catalog, [], self.metric_tags)
-        if self.closed:
-            return []
-        blocks = list(ex.item_blocks(item))
-        for block in blocks:
-            block[ACTOR] = np.full(len(block[SEQ]), THREAD_ACTOR, dtype=object)
-        return blocks
+        return ex
+
+    def _read(self, item: ReadItem, units: queue.SimpleQueue) -> None:
+        """Read ``item`` (in a pool thread); each unit's decode is submitted as it is read."""
+        try:
+            for cols in self._worker().read_columns(item, self.unit_rows):
+                if self.closed:
+                    return
+                units.put(self._pool.submit(self._decode, cols))
+        except BaseException as exc:  # re-raised in the consumer when this unit is due
+            failed: Future[Block] = Future()
+            failed.set_exception(exc)
+            units.put(failed)
+            return
+        units.put(None)
+
+    def _decode(self, cols: dict[str, list]) -> Block:
+        block = self._worker().decoder(cols)
+        block[ACTOR] = np.full(len(block[SEQ]), THREAD_ACTOR, dtype=object)
+        return block
 
     def _fill(self) -> None:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ray_ingest-decode")
         while (not self.closed and len(self._pending) < self._ahead
                and self._next < len(self.items)):
-            self._pending.append(self._pool.submit(self._decode, self.items[self._next]))
+            units: queue.SimpleQueue = queue.SimpleQueue()
+            self._pool.submit(self._read, self.items[self._next], units)
+            self._pending.append((self.items[self._next], units))
             self._next += 1
 
     def start(self) -> None:
-        """Begin decoding the first items now (before the first block is asked for)."""
+        """Begin reading and decoding the first items now (before the first block is asked for)."""
         self._fill()
 
     def blocks(self) -> Iterator[Block]:
         self._fill()
         timeout = self.cfg.loader.stall_timeout_s
         while self._pending and not self.closed:
-            item = self.items[self.read]
+            item, units = self._pending[0]
+            deadline = time.monotonic() + timeout
             try:
-                blocks = self._pending.popleft().result(timeout=timeout)
-            except FutureTimeout:
+                unit = units.get(timeout=timeout)
+                block = (None if unit is None
+                         else unit.result(timeout=max(0.0, deadline - time.monotonic())))
+            except (queue.Empty, FutureTimeout):
                 raise StallError(
                     f"no decoded block for loader.stall_timeout_s ({timeout:g} s) of waiting: "
                     f"reading or decoding {self.catalog.path(item.sid)} rows {item.start}.."
                     f"{item.start + item.count - 1} is stuck (decode.compute: threads)") from None
-            self.read += 1
-            self._fill()
-            yield from blocks
+            if block is None:  # the item's rows are all out
+                self._pending.popleft()
+                self.read += 1
+                self._fill()
+                continue
+            yield block
 
     def stats(self) -> str:
         return f"threads: {self.read} read items decoded on {self.threads} threads"
 
     def close(self) -> None:
-        """Stop: queued items are dropped, running ones finish in the background."""
+        """Stop: queued reads and decodes are dropped, running ones finish in the background."""
         self.closed = True
-        for fut in self._pending:
-            fut.cancel()
         self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

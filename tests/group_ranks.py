@@ -2,7 +2,7 @@
 
 ``run_ranks`` runs one process per rank (spawned), joined in a real ``torch.distributed`` gloo
 world, each with an :class:`~ray_ingest.stream.IngestLoader` whose read and decode stages run in
-the process (ray_ingest/headstart.py) and whose group share is the real
+the process (ray_ingest/local.py) and whose group share is the real
 :func:`~ray_ingest.group.dist_channel`. ``ThreadChannel`` is an in-process channel for the
 stage tests that need no processes.
 """
@@ -50,7 +50,7 @@ def _rank_main(rank: int, world: int, job: dict[str, Any]) -> None:
         from ray_ingest.catalog import load_catalog
         from ray_ingest.config import config_from_dict
         from ray_ingest.group import GroupShare, dist_channel
-        from ray_ingest.headstart import LocalExecution
+        from ray_ingest.local import LocalExecution
         from ray_ingest.plan.state import ReadState
         from ray_ingest.plan.topology import Topology
         from ray_ingest.stream import IngestLoader

@@ -34,7 +34,7 @@ from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.decode import Decoder
 from ray_ingest.errors import IngestError, SkipBudgetExceeded
-from ray_ingest.headstart import LocalExecution
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
 from ray_ingest.reader import read_options

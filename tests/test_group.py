@@ -22,7 +22,7 @@ from ray_ingest.catalog import load_catalog
 from ray_ingest.collate import Batch
 from ray_ingest.errors import ConfigError, GroupError
 from ray_ingest.group import GroupShare, decode_batch, encode_batch
-from ray_ingest.headstart import LocalExecution
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
 from ray_ingest.stream import IngestLoader

@@ -16,7 +16,8 @@ from ray_ingest.catalog import load_catalog
 from ray_ingest.columns import ACTOR, SEQ
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import IngestError
-from ray_ingest.headstart import HEAD_ACTOR, HEAD_THREAD, HeadStart, LocalExecution, split_head
+from ray_ingest.headstart import HEAD_ACTOR, HEAD_THREAD, HeadStart, split_head
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan.epoch import plan_window
 from ray_ingest.plan.state import initial_state
 from ray_ingest.plan.topology import Topology

@@ -4,7 +4,7 @@ elastic decode pool.
 A test whose subject is the Ray edge (the datasource, the decode pool, one execution over
 epochs, unordered delivery, pauses) runs through Ray. A test whose subject is what is planned
 (group ranks, aspect buckets, the random crop's seeds) runs the same read and decode code in
-this process (``local=True``: ray_ingest/headstart.py, bit-identical to the Ray edge by the stream
+this process (``local=True``: ray_ingest/local.py, bit-identical to the Ray edge by the stream
 goldens) where a Ray run would test the same rows again at ~5 s an execution; where the Ray
 edge could differ (a per-process seed), one Ray run is compared with the in-process one.
 """
@@ -20,7 +20,7 @@ import pytest
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import ConfigError
-from ray_ingest.headstart import LocalExecution
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan.epoch import read_items
 from ray_ingest.plan.state import initial_state, slot_stream
 from ray_ingest.plan.topology import Topology

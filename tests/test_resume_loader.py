@@ -3,7 +3,7 @@
 One checkpoint round-trip helper, :func:`run_save_load`, drives every case: run, stop after
 ``stop_after`` batches, save the per-rank state files, merge them back, resume, and compare
 what was delivered before + after with an uninterrupted run. The uninterrupted reference is
-read and decoded in this process by the same code as the Ray edge (``ray_ingest/headstart.py``,
+read and decoded in this process by the same code as the Ray edge (``ray_ingest/local.py``,
 bit-identical to it by the stream goldens). The runs that stop and resume go through Ray where
 the Ray edge is the subject (an execution closed mid-epoch and a new one started from the saved
 state, with and without key indexes; unordered delivery); where the subject is what is
@@ -24,7 +24,7 @@ import pytest
 from ray_ingest.catalog import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import ConfigError, StateError
-from ray_ingest.headstart import LocalExecution
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan import PlanParams, iter_samples, pid_env_start, plan_slot
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology

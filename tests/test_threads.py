@@ -15,7 +15,7 @@ from ray_ingest.catalog import load_catalog
 from ray_ingest.columns import ACTOR, SEQ
 from ray_ingest.config import DecodeConfig, config_from_dict
 from ray_ingest.errors import ConfigError, IngestError, StallError
-from ray_ingest.headstart import LocalExecution
+from ray_ingest.local import LocalExecution
 from ray_ingest.plan.epoch import plan_window
 from ray_ingest.plan.state import initial_state
 from ray_ingest.plan.topology import Topology
@@ -57,7 +57,9 @@ def _columns(blocks) -> dict[str, list]:
         for k, v in b.items():
             if k == ACTOR or k.startswith("__t_"):  # who decoded it, and CPU timings, differ
                 continue
-            out.setdefault(k, []).extend(v.tolist() if v.dtype != np.uint8 else [v.tobytes()])
+            # images row by row: blocks of other sizes hold the same rows
+            out.setdefault(k, []).extend(v.tolist() if v.dtype != np.uint8
+                                         else [row.tobytes() for row in v])
     return out
 
 
@@ -72,6 +74,33 @@ def test_threads_deliver_the_in_process_rows_in_order(setup, threads):
     assert all((b[ACTOR] == THREAD_ACTOR).all() for b in got)
     assert ex.read == len([it for it in items if it.count])
     assert f"on {threads} threads" in ex.stats()
+    ex.close()
+
+
+def test_units_of_at_most_a_batch_are_handed_out_as_each_is_decoded(setup, monkeypatch):
+    """An item of many rows comes out a batch at a time, the first before the rest is done."""
+    import attrs
+
+    cfg, catalog, items = setup
+    cfg = attrs.evolve(cfg, loader=attrs.evolve(cfg.loader, block_rows=128, batch_size=4))
+    want = _columns(LocalExecution(cfg, catalog, items).blocks())
+    got = list(ThreadedExecution(cfg, catalog, items, threads=3).blocks())
+    assert max(len(b[SEQ]) for b in got) == 4
+    assert _columns(got) == want
+
+    release = threading.Event()
+    decode = ThreadedExecution._decode
+
+    def held(self, cols):  # every unit but the stream's first waits for the release
+        if cols[SEQ][0] != items[0].seq:
+            assert release.wait(10)
+        return decode(self, cols)
+
+    monkeypatch.setattr(ThreadedExecution, "_decode", held)
+    ex = ThreadedExecution(cfg, catalog, items, threads=3)
+    first = next(ex.blocks())  # would wait 10 s if the whole item had to be decoded first
+    assert first[SEQ].tolist() == list(range(items[0].seq, items[0].seq + 4))
+    release.set()
     ex.close()
 
 
@@ -149,11 +178,11 @@ def test_a_stuck_read_raises_a_stall_error_naming_the_item(setup, monkeypatch):
     cfg = attrs.evolve(cfg, loader=attrs.evolve(cfg.loader, stall_timeout_s=1.0))
     release = threading.Event()
 
-    def stuck(self, item):
+    def stuck(self, item, rows=None):
         release.wait(10)
         return iter(())
 
-    monkeypatch.setattr(LocalExecution, "item_blocks", stuck)
+    monkeypatch.setattr(LocalExecution, "read_columns", stuck)
     ex = ThreadedExecution(cfg, catalog, items, threads=2)
     first = items[0]
     with pytest.raises(StallError, match=rf"stall_timeout_s \(1 s\) of waiting: reading or "
