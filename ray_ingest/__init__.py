@@ -1,8 +1,9 @@
 """ray_ingest: twin-tar WebDataset ingest on Ray.
 
 Pure layers (no Ray, no torch): :mod:`ray_ingest.catalog`, :mod:`ray_ingest.tario`,
-:mod:`ray_ingest.twin`, :mod:`ray_ingest.plan`. Ray lives only in :mod:`ray_ingest.source`,
-:mod:`ray_ingest.decode`, :mod:`ray_ingest.stream` and :mod:`ray_ingest.dataset`.
+:mod:`ray_ingest.twin`, :mod:`ray_ingest.plan`, and the loader's stages. Ray lives in
+:mod:`ray_ingest.datasource`, :mod:`ray_ingest.pipeline` (the loader's Ray edge, opened by
+:mod:`ray_ingest.executions`), :mod:`ray_ingest.train` and :mod:`ray_ingest.dataset`.
 
 ``read_twin_tars`` and ``write_twin_tars`` (:mod:`ray_ingest.dataset`) are importable from
 here; they load Ray on first use, so ``import ray_ingest`` stays cheap.

@@ -5,7 +5,13 @@ No Ray, no torch.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
 import attrs
+
+T = TypeVar("T")
 
 
 @attrs.define
@@ -40,3 +46,17 @@ class StageClock:
         out["read_cpu_s"] = round(self.read, 3)
         out["decode_cpu_s"] = round(self.decode, 3)
         return out
+
+
+def timed(items: Iterable[T], on_wait: Callable[[float], object]) -> Iterator[T]:
+    """``items``, the consumer's wait for each one (and for the end) reported to ``on_wait``."""
+    it = iter(items)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            on_wait(time.perf_counter() - t0)
+        yield item

@@ -14,6 +14,7 @@ import json
 import logging
 import pickle
 import re
+import sys
 import time
 from typing import Any
 
@@ -128,11 +129,11 @@ class Decoder:
         }
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
         self.actor_id, self.node_id = "local", "local"
+        # Only ask a Ray already imported and running: get_runtime_context() would start (or
+        # join) one, and importing it costs the decode threads of a process without Ray ~1 s.
+        ray = sys.modules.get("ray")
         try:
-            import ray
-
-            # Only ask a running Ray: get_runtime_context() would start (or join) one.
-            if ray.is_initialized():
+            if ray is not None and ray.is_initialized():
                 ctx = ray.get_runtime_context()
                 # a task (decode.compute: tasks) is named by its worker process
                 worker = ctx.worker.mode == ray.WORKER_MODE

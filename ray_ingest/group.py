@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -28,6 +28,7 @@ import numpy as np
 from ray_ingest.collate import Batch
 from ray_ingest.errors import GroupError
 from ray_ingest.plan.topology import Topology
+from ray_ingest.window import Handoff
 
 Skip = tuple[int, int, str]
 
@@ -131,6 +132,39 @@ class GroupShare:
         batch, positions = decode_batch(header, tensors, self.device)
         self.step = batch.step_in_epoch + 1
         return Message(BATCH, epoch, batch, positions)
+
+
+def lead(share: GroupShare, made: Iterator[tuple[Batch, list[int]]], epoch: int) -> Handoff:
+    """The leader's ``(batch, positions)`` of ``epoch``, each sent to the group as it is made.
+
+    Made one ahead in a helper thread: batch k+1 is made and broadcast while batch k trains.
+    One message is in flight at a time, as on the followers (:func:`follow`), so a train loop
+    that stops after batch k leaves no broadcast half done: the k+1 in flight completes on every
+    rank of the group and is dropped unrecorded everywhere. Close the hand-off when done.
+    """
+
+    def sent() -> Iterator[tuple[Batch, list[int]]]:
+        for batch, positions in made:
+            share.send_batch(batch, positions)
+            yield batch, positions
+        share.send_end(epoch)
+
+    return Handoff(sent(), None, ahead=True)
+
+
+def follow(share: GroupShare, epoch: int) -> Handoff:
+    """A follower's messages of ``epoch`` from the leader, up to and including its end; the
+    next one is received in a helper thread while this one trains. Close the hand-off when
+    done."""
+
+    def received() -> Iterator[Message]:
+        while True:
+            msg = share.receive(epoch)
+            yield msg
+            if msg.batch is None:
+                return
+
+    return Handoff(received(), None, ahead=True)
 
 
 def _first_line(exc: BaseException) -> str:

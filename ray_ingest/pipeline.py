@@ -27,12 +27,13 @@ from ray.data._internal.execution.interfaces import ExecutionResources
 
 from ray_ingest.catalog import Catalog
 from ray_ingest.config import Config, DecodeConfig
+from ray_ingest.datasource import TwinTarDatasource
 from ray_ingest.decode import Decoder
 from ray_ingest.errors import IngestError, StallError
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import read_options
 from ray_ingest.sizing import block_rows
-from ray_ingest.source import TwinTarDatasource, read_item
+from ray_ingest.source import read_item
 from ray_ingest.window import Handoff
 
 log = logging.getLogger(__name__)

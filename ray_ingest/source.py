@@ -1,9 +1,8 @@
-"""``TwinTarDatasource``: the Ray Data read stage.
+"""The read stage: one planned read item (a slice of a shard) as blocks of raw rows.
 
-The driver turns a rank's planned stream (ordered :class:`ReadItem` slices of shards) into one
-small picklable :class:`~ray.data.ReadTask` per slice. Each task opens the slice's twin tars,
-positions them at the slice's first sample (key-index seek or header-only skip), expands them
-in lockstep and yields Arrow blocks of raw bytes plus provenance:
+:func:`read_item` opens the slice's twin tars, positions them at the slice's first sample
+(key-index seek or header-only skip), expands them in lockstep and yields blocks (Arrow tables,
+or Python column lists for a decoder in the same process) of raw bytes plus provenance:
 
 ``__key__`` ``__shard__`` ``__index__`` (position in the shard), ``__sid__`` (shard number in
 the catalog), ``__seq__`` (position in the rank's stream of its epoch, what the read state
@@ -13,18 +12,19 @@ shard), ``__error__`` (non-empty for a sample skipped under ``on_error=skip``), 
 column and one extension column per modality (:mod:`ray_ingest.columns`). Bytes read and remote
 retries are also recorded as Ray metrics (:mod:`ray_ingest.metrics`) under the tags of the
 loader that planned the read. ``__read_node__`` is the Ray node id of the task that read it.
+The Ray Data read tasks (:mod:`ray_ingest.datasource`), the fused read of the decode actors, the
+head start and the decode threads all read with it. No Ray, no torch.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-from ray.data.block import BlockMetadata
-from ray.data.datasource import Datasource, ReadTask
 
 from ray_ingest import metrics
 from ray_ingest.catalog import TarSample
@@ -47,7 +47,7 @@ from ray_ingest.errors import IngestError
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.reader import ReadOptions, read_shard
 
-__all__ = ["ReadItem", "TwinTarDatasource", "read_item"]
+__all__ = ["ReadItem", "block_schema", "read_item"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SAMPLE_BYTES = 256 * 1024
 
 
-def _schema(modalities: Sequence[str]) -> pa.Schema:
+def block_schema(modalities: Sequence[str]) -> pa.Schema:
+    """The Arrow schema of the blocks of a shard with these modalities."""
     fields = [
         pa.field(KEY, pa.string()),
         pa.field(SHARD, pa.string()),
@@ -98,7 +99,7 @@ def read_item(
 
 def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int,
                on_error: str, log_skips: bool, arrow: bool) -> Iterator[Any]:
-    schema = _schema(shard.modalities)
+    schema = block_schema(shard.modalities)
     names = schema.names
     cols: dict[str, list[Any]] = {n: [] for n in names}
     bucket = shard.bucket or ""
@@ -176,10 +177,10 @@ def _reason(exc: BaseException) -> str:
 
 
 def _node_id() -> str:
-    """The Ray node this read runs on ("local" outside Ray: never starts or joins one)."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    """The Ray node this read runs on ("local" outside Ray: never imports, starts or joins
+    one)."""
+    ray = sys.modules.get("ray")
+    return ray.get_runtime_context().get_node_id() if ray and ray.is_initialized() else "local"
 
 
 def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -> IngestError:
@@ -193,63 +194,3 @@ def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -
     if isinstance(exc, IngestError) and type(exc).__init__ is Exception.__init__:
         return type(exc)(f"{where}: {text}")
     return IngestError(f"{where}: read failed: {type(exc).__name__}: {text}")
-
-
-class TwinTarDatasource(Datasource):
-    """Reads a planned, ordered list of shard slices; one ReadTask per slice."""
-
-    def __init__(
-        self,
-        shards: Sequence[TarSample],
-        items: Sequence[ReadItem],
-        opts: ReadOptions = ReadOptions(),
-        block_rows: int = 64,
-        on_error: str = "raise",
-        sample_bytes: int = DEFAULT_SAMPLE_BYTES,
-        metric_tags: Mapping[str, str] | None = None,
-    ):
-        super().__init__()
-        self._shards = {it.sid: shards[it.sid] for it in items}
-        self._items = tuple(items)
-        self._opts = opts
-        self._block_rows = block_rows
-        self._on_error = on_error
-        self._sample_bytes = sample_bytes
-        self._metric_tags = dict(metric_tags or {})
-
-    def get_name(self) -> str:
-        return "TwinTar"
-
-    def estimate_inmemory_data_size(self) -> int | None:
-        return sum(it.count for it in self._items) * self._sample_bytes
-
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                       data_context: Any = None) -> list[ReadTask]:
-        # NOTE: called several times per execution; it only builds closures (no I/O).
-        tasks = []
-        for item in self._items:
-            if item.count <= 0:
-                continue
-            shard = self._shards[item.sid]
-            meta = BlockMetadata(
-                num_rows=item.count,
-                size_bytes=int(item.count * self._sample_bytes),
-                input_files=[shard.url(shard.modalities[0])],
-                exec_stats=None,
-            )
-            tasks.append(ReadTask(
-                _bind(shard, item, self._opts, self._block_rows, self._on_error,
-                      self._metric_tags),
-                meta,
-                schema=_schema(shard.modalities),
-                per_task_row_limit=per_task_row_limit,
-            ))
-        return tasks
-
-
-def _bind(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int, on_error: str,
-          metric_tags: Mapping[str, str]):
-    def read_fn() -> Iterator[pa.Table]:
-        return read_item(shard, item, opts, block_rows, on_error, metric_tags)
-
-    return read_fn

@@ -16,35 +16,33 @@ never what was prefetched.
 from __future__ import annotations
 
 import logging
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ray_ingest import checkpoint
+from ray_ingest.account import BlockAccount
 from ray_ingest.batcher import BucketBatcher
 from ray_ingest.catalog import Catalog, load_catalog
 from ray_ingest.checkpoint import STATE_DIR, state_file
-from ray_ingest.clock import StageClock
+from ray_ingest.clock import StageClock, timed
 from ray_ingest.collate import Batch, to_batch
-from ray_ingest.columns import ACTOR, BYTES, ERROR, NODE, READ_NODE, SEQ, T_DECODE, T_READ
+from ray_ingest.columns import ERROR, SEQ
 from ray_ingest.config import Config
 from ray_ingest.errors import ConfigError
-from ray_ingest.group import GroupShare, Message
-from ray_ingest.headstart import HEAD_ACTOR, HeadStart, split_head
-from ray_ingest.local import LocalExecution
+from ray_ingest.executions import Executions, Opener
+from ray_ingest.group import GroupShare, follow, lead
 from ray_ingest.metrics import LoaderMetrics
 from ray_ingest.plan.assign import PlanParams
-from ray_ingest.plan.epoch import EpochPlan, ReadItem, plan_window
+from ray_ingest.plan.epoch import EpochPlan, plan_window
 from ray_ingest.plan.state import ReadState, initial_state, with_topology
 from ray_ingest.plan.topology import Topology
 from ray_ingest.progress import Progress
 from ray_ingest.sizing import block_rows
 from ray_ingest.skips import SkipFilter
-from ray_ingest.threads import THREAD_ACTOR, ThreadedExecution, resolve_compute, usable_cores
-from ray_ingest.window import EpochWindow, Execution, Handoff
+from ray_ingest.window import EpochWindow, Handoff
 
 __all__ = ["STATE_DIR", "Batch", "IngestLoader", "StageClock", "plan_params", "state_file"]
 
@@ -69,18 +67,20 @@ class IngestLoader:
         state: a restored read state (None: start at ``start_epoch``).
         device: torch device for tensors (None: CPU tensors).
         start_index, start_epoch: PiD's ``WDS_START_INDEX``/``WDS_EPOCH_NUM`` starting point.
-        open_execution: builds the read+decode stage for a list of read items (default: a Ray
-            Data execution, :class:`ray_ingest.pipeline.Execution`); tests pass an in-process one.
+        open_execution: builds the read+decode stage for a list of read items (default:
+            :class:`~ray_ingest.executions.Executions`, decode threads or a Ray Data
+            execution as ``decode.compute`` says); tests pass an in-process one.
         share: this rank's :class:`~ray_ingest.group.GroupShare` when one rank of the parallel
             group decodes for all (``loader.group_share``): the leader runs the pipeline and
             sends its batches, the others receive them and build no pipeline.
+        node_pipelines: pipelines decoding on this rank's node, its own among them (the
+            job passes its ranks per node): decode threads share the node's cores.
     """
 
     def __init__(self, cfg: Config, topology: Topology, catalog: Catalog | None = None,
                  state: ReadState | None = None, device: Any = None, start_index: int = 0,
-                 start_epoch: int = 0,
-                 open_execution: Callable[[list[ReadItem]], Execution] | None = None,
-                 share: GroupShare | None = None):
+                 start_epoch: int = 0, open_execution: Opener | None = None,
+                 share: GroupShare | None = None, node_pipelines: int = 1):
         import torch  # noqa: F401 - imported here, not on the first batch of the hot path
 
         if topology.group_size > 1 and not cfg.loader.ordered:
@@ -95,7 +95,6 @@ class IngestLoader:
                                                modalities=cfg.data.modalities,
                                                storage_options=cfg.data.storage_options,
                                                cache=True, root=cfg.data.root)
-        self.counts = self.catalog.counts
         bsz = cfg.loader.batch_size
         params = plan_params(cfg, start_index)
         if state is None:
@@ -111,21 +110,17 @@ class IngestLoader:
                                 lambda sid: self.catalog.path(sid), topology.rank,
                                 on_skip=self.recorder.on_skip)
         self.batcher = BucketBatcher(bsz, bucketing=bool(cfg.decode.buckets))
-        self.shard_bucket = self.catalog.buckets if cfg.decode.buckets else None
-        self._open_execution = open_execution or self._default_execution
-        #: What decodes (``decode.compute`` with ``auto`` resolved for this cluster).
-        self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
         self.clock = StageClock()
+        self.account = BlockAccount(self.clock, self.recorder.on_actors)
+        # who decoded and read what (the same objects as the account's)
+        self.actors_seen = self.account.actors_seen
+        self.decode_nodes, self.read_nodes = self.account.decode_nodes, self.account.read_nodes
+        self.executions_of = Executions(cfg, self.catalog, topology, self.recorder.tags,
+                                        shared=share is not None, node_pipelines=node_pipelines,
+                                        custom=open_execution)
+        #: What decodes (``decode.compute`` with ``auto`` resolved for this cluster).
+        self.compute = self.executions_of.compute
         self.data_stats: list[str] = []
-        self.actors_seen: set[str] = set()
-        #: Executions started by this loader (one per window of epochs).
-        self.executions = 0
-        #: Samples decoded / read per Ray node id, as reported by the decode actors and read
-        #: tasks themselves (``__node__`` / ``__read_node__``).
-        self.decode_nodes: dict[str, int] = {}
-        self.read_nodes: dict[str, int] = {}
-        #: Head starts of this loader's executions (ray_ingest.headstart).
-        self._heads: list[HeadStart] = []
         #: A group leader's production clock (one batch ahead, in a helper thread).
         self._ahead_clock = StageClock()
         #: A window opened by :meth:`start`: ((state, num_epochs) it was planned for, window).
@@ -140,6 +135,11 @@ class IngestLoader:
     def skips_by_kind(self) -> dict[str, int]:
         """Samples skipped under on_error=skip since this loader was built, by failure kind."""
         return self.skips.by_kind
+
+    @property
+    def executions(self) -> int:
+        """Executions started by this loader (one per window of epochs)."""
+        return self.executions_of.opened
 
     # --- checkpoints ---------------------------------------------------------------------
     @classmethod
@@ -158,20 +158,22 @@ class IngestLoader:
         One execution reads as many of these epochs as ``loader.max_planned_items`` read items
         allow; leaving an epoch's batches unfinished (max_steps, an exception) closes it.
         """
-        if self.share is not None and not self.share.leader:
-            yield from self._follow(num_epochs)
-            return
+        following = self.share is not None and not self.share.leader
         while self.state.epoch < num_epochs:
+            if following:  # the leader's batches and progress
+                epoch = self.state.epoch
+                yield epoch, self._deliver(epoch, None, None)
+                if self.state.epoch == epoch:  # stopped early, like the leader
+                    return
+                continue
             started, self._started = self._started, None
             # The window lives while this generator or an epoch's batches refer to it.
             window = (started[1] if started and started[0] == (self.state, num_epochs)
                       else self._window(num_epochs))
             if started and window is not started[1]:
                 started[1].close()
-            plans = window.plans
-            deliver = self._lead_epoch if self.share is not None else self._plain_epoch
-            for plan in plans:
-                yield plan.epoch, deliver(plan, window)
+            for plan in window.plans:
+                yield plan.epoch, self._deliver(plan.epoch, plan, window)
                 if self.state.epoch == plan.epoch:  # stopped early (max_steps): keep position
                     window.close()
                     return
@@ -198,33 +200,61 @@ class IngestLoader:
         # Unordered rows of a non-positional alignment cannot tell when an epoch is complete
         # before the execution ends: one epoch per execution then.
         last = num_epochs if (lc.ordered or strict) else self.state.epoch + 1
-        plans = plan_window(self.state, self.topology, self.counts, self.catalog.chunk_size,
-                            lc.batch_size, last, shard_bucket=self.shard_bucket,
+        plans = plan_window(self.state, self.topology, self.catalog.counts,
+                            self.catalog.chunk_size, lc.batch_size, last,
+                            shard_bucket=self.catalog.buckets if self.cfg.decode.buckets else None,
                             block_rows=block_rows(self.cfg) if strict else None,
                             max_items=lc.max_planned_items,
                             first_rows=lc.batch_size if strict else None)
         # A group leader produces one batch ahead in a helper thread: its waits there are not
         # the train loop's (that one is timed where it takes each batch).
         ahead = self.share is not None
-        return EpochWindow(plans, self._count, exact=strict, ordered=lc.ordered,
+        return EpochWindow(plans, self.executions_of, exact=strict, ordered=lc.ordered,
                            clock=self._ahead_clock if ahead else self.clock,
                            on_stats=self._keep_stats,
                            on_wait=None if ahead else self.recorder.on_wait)
 
-    def _epoch(self, plan: EpochPlan, window: EpochWindow
-               ) -> Iterator[tuple[Batch, list[int]]]:
+    def _deliver(self, epoch: int, plan: EpochPlan | None, window: EpochWindow | None
+                 ) -> Iterator[Batch]:
+        """The epoch's batches as the train loop takes them: made here (``plan``), made here and
+        sent to the group (a group leader), or received from the leader (a follower)."""
+        self.recorder.set_epoch(epoch)
+        ahead: Handoff | None = None
+        if plan is None:  # a follower
+            ahead = follow(self.share, epoch)
+            made = ((m.batch, m.positions) for m in timed(ahead, self._waited)
+                    if m.batch is not None)
+        elif self.share is not None:  # a leader: made one ahead, the loop's waits timed here
+            ahead = lead(self.share, self._made(plan, window), epoch)
+            made = timed(ahead, self._waited)
+        else:  # the window times the waits
+            made = self._made(plan, window)
+        try:
+            for batch, consumed in made:
+                if plan is None:
+                    self.skips.count(batch.skipped)
+                self.progress.deliver(consumed, batch.skipped)  # only now is it consumed
+                self.clock.batches += 1
+                self.clock.samples += len(batch.keys)
+                self.recorder.on_batch(len(batch.keys))
+                yield batch
+        finally:
+            if ahead is not None:
+                ahead.close()
+        self.progress.end_epoch()
+
+    def _made(self, plan: EpochPlan, window: EpochWindow) -> Iterator[tuple[Batch, list[int]]]:
         """The epoch's batches, made but not yet delivered: (batch, stream positions consumed)."""
         log.debug("rank %d slot %d epoch %d: %d read items, %d/%d batches done", self.topology.rank,
                   plan.slot, plan.epoch, len(plan.items), plan.done_batches, plan.total_batches)
         self.skips.load_state({"epoch": plan.epoch, "skips": list(self.state.skips)})
-        self.recorder.set_epoch(plan.epoch)
         self.batcher.start_epoch(plan.done_batches, plan.total_batches)
         clock = window.clock
         step = self.progress.step_in_epoch(plan)
         complete = False
         try:
             for block in window.blocks_of(plan):
-                block = self.skips(self._account(block))
+                block = self.skips(self.account(block))
                 block.pop(ERROR)
                 if not len(block[SEQ]):
                     continue
@@ -247,98 +277,6 @@ class IngestLoader:
             if not complete:  # abandoned: stop reading and decoding in the background
                 window.close()
 
-    def _plain_epoch(self, plan: EpochPlan, window: EpochWindow) -> Iterator[Batch]:
-        for batch, consumed in self._epoch(plan, window):
-            self._hand(batch, consumed)
-            yield batch
-        self.progress.end_epoch()
-
-    def _lead_epoch(self, plan: EpochPlan, window: EpochWindow) -> Iterator[Batch]:
-        """A group share's leader: batch k+1 is made and broadcast while batch k trains.
-
-        One message is in flight at a time, as on the followers (:meth:`_follow_epoch`), so a
-        train loop that stops after batch k leaves no broadcast half done: the k+1 in flight
-        completes on every rank of the group and is dropped unrecorded everywhere.
-        """
-
-        def made() -> Iterator[tuple[Batch, list[int]]]:
-            for batch, consumed in self._epoch(plan, window):
-                self.share.send_batch(batch, consumed)
-                yield batch, consumed
-            self.share.send_end(plan.epoch)
-
-        ahead = Handoff(made(), None, ahead=True)
-        try:
-            for batch, consumed in self._timed(ahead):
-                self._hand(batch, consumed)
-                yield batch
-        finally:
-            ahead.close()
-        self.progress.end_epoch()
-
-    def _follow(self, num_epochs: int) -> Iterator[tuple[int, Iterator[Batch]]]:
-        """A follower of a group share: the leader's batches and progress, epoch by epoch."""
-        while self.state.epoch < num_epochs:
-            epoch = self.state.epoch
-            yield epoch, self._follow_epoch(epoch)
-            if self.state.epoch == epoch:  # stopped early, like the leader
-                return
-
-    def _follow_epoch(self, epoch: int) -> Iterator[Batch]:
-        """The leader's messages of ``epoch``; the next one is received while this one trains."""
-        self.recorder.set_epoch(epoch)
-
-        def received() -> Iterator[Message]:
-            while True:
-                msg = self.share.receive(epoch)
-                yield msg
-                if msg.batch is None:
-                    return
-
-        ahead = Handoff(received(), None, ahead=True)
-        try:
-            for msg in self._timed(ahead):
-                if msg.batch is None:
-                    break
-                self.skips.count(msg.batch.skipped)
-                self._hand(msg.batch, msg.positions)
-                yield msg.batch
-        finally:
-            ahead.close()
-        self.progress.end_epoch()
-
-    def _timed(self, items: Iterator[Any]) -> Iterator[Any]:
-        """``items``, the train loop's wait for each one counted as data wait."""
-        it = iter(items)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            finally:
-                waited = time.perf_counter() - t0
-                self.clock.wait += waited
-                self.recorder.on_wait(waited)
-            yield item
-
-    def _account(self, block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Move a block's instrumentation columns into the clock and the observed actors."""
-        actors = block.pop(ACTOR, None)
-        if actors is not None and len(actors):
-            ids = [a for a in actors.tolist() if a not in (HEAD_ACTOR, THREAD_ACTOR)]
-            if ids:  # rows of the head start and of decode threads are not the pool's
-                self.actors_seen.update(ids)
-                self.recorder.on_actors(ids)
-        _count_nodes(self.decode_nodes, block.pop(NODE, None))
-        _count_nodes(self.read_nodes, block.pop(READ_NODE, None))
-        sizes = block.pop(BYTES, None)
-        if sizes is not None:
-            self.clock.bytes_read += int(sizes.sum())
-        self.clock.read += float(block.pop(T_READ).sum())
-        self.clock.decode += float(block.pop(T_DECODE).sum())
-        return block
-
     def _make(self, cols: dict[str, np.ndarray], bucket: str, plan: EpochPlan, step: int,
               clock: StageClock) -> tuple[Batch, list[int]]:
         t0 = time.perf_counter()
@@ -349,35 +287,9 @@ class IngestLoader:
         clock.transfer += time.perf_counter() - t0
         return batch, [*cols[SEQ].tolist(), *positions]
 
-    def _hand(self, batch: Batch, consumed: list[int]) -> None:
-        """The train loop takes ``batch``: only now is it consumed (what a checkpoint saves)."""
-        self.progress.deliver(consumed, batch.skipped)
-        self.clock.batches += 1
-        self.clock.samples += len(batch.keys)
-        self.recorder.on_batch(len(batch.keys))
-
-    def _count(self, items: list[ReadItem]) -> Execution:
-        self.executions += 1
-        return self._open_execution(items)
-
-    def _default_execution(self, items: list[ReadItem]) -> Execution:
-        if self.compute == "threads":  # this process decodes: no Ray involved
-            return ThreadedExecution(self.cfg, self.catalog, items, self.recorder.tags)
-        from ray_ingest.pipeline import Execution
-
-        # one pipeline per group when its leader decodes for it: a share of the cluster each
-        pipelines = self.topology.world_size // (self.topology.group_size if self.share else 1)
-        def remote(its: list[ReadItem]) -> Execution:
-            return Execution(self.cfg, self.catalog, its, pipelines, self.recorder.tags,
-                             self.topology.rank)
-
-        lc = self.cfg.loader
-        if not (lc.head_start_batches and lc.ordered) or self.cfg.decode.label_selector:
-            return remote(items)
-        head, rest = split_head(items, lc.head_start_batches * lc.batch_size)
-        local = LocalExecution(self.cfg, self.catalog, head, self.recorder.tags)
-        self._heads.append(HeadStart(local, remote(rest) if rest else None))
-        return self._heads[-1]
+    def _waited(self, seconds: float) -> None:
+        self.clock.wait += seconds
+        self.recorder.on_wait(seconds)
 
     def _keep_stats(self, stats: str) -> None:
         self.data_stats.append(stats)
@@ -391,27 +303,9 @@ class IngestLoader:
     def metrics(self) -> dict[str, Any]:
         """Stage timings and counters collected so far (see docs/observability)."""
         return {**self.clock.to_dict(), "decode_compute": self.compute,
-                "actors_seen": len(self.actors_seen),
-                "executions": self.executions,
-                "head_start_rows": sum(h.head_rows for h in self._heads),
+                "actors_seen": len(self.actors_seen), "executions": self.executions,
+                "head_start_rows": self.executions_of.head_rows,
                 "decode_nodes": dict(self.decode_nodes), "read_nodes": dict(self.read_nodes),
                 "skips_in_epoch": len(self.state.skips),
                 "skips_total": sum(self.skips_by_kind.values()),
                 "skips_by_kind": dict(self.skips_by_kind)}
-
-
-def _ray_nodes() -> int | None:
-    """Alive nodes of the Ray cluster this process is connected to (None: not connected).
-    Asks only a Ray already imported and initialised: this module does not start one."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return None
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
-
-
-def _count_nodes(counts: dict[str, int], nodes: np.ndarray | None) -> None:
-    if nodes is None or not len(nodes):
-        return
-    for node, n in zip(*np.unique(nodes.astype(str), return_counts=True), strict=True):
-        counts[str(node)] = counts.get(str(node), 0) + int(n)
-

@@ -48,9 +48,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def decode_threads(dc: DecodeConfig) -> int:
-    """``decode.threads``, or twice the usable cores (measured: docs/benchmarks.md)."""
-    return dc.threads or 2 * usable_cores()
+def decode_threads(dc: DecodeConfig, node_pipelines: int = 1) -> int:
+    """``decode.threads``, or twice the usable cores (measured: docs/benchmarks.md) shared by
+    the ``node_pipelines`` pipelines that decode on this node (several ranks on one node must
+    not each assume they own it), at least one."""
+    return dc.threads or max(1, 2 * usable_cores() // max(1, node_pipelines))
 
 
 def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:
@@ -76,17 +78,18 @@ def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:
 class ThreadedExecution:
     """An :class:`~ray_ingest.window.Execution` on ``threads`` threads of this process.
 
-    A pool thread reads a read item and submits each unit of at most a batch's rows (fewer where
-    ``loader.max_block_bytes`` asks) to the pool as it is read; units are decoded in stream
-    order, several at once, and handed out as each is done. Decoding whole items instead would
-    hand rows out in bursts of ``threads`` items every ``threads`` items' decode time (as the
-    bench's 0.4 s gaps showed), so that the boundary of an epoch stalls by chance. Every thread
-    keeps its own :class:`~ray_ingest.local.LocalExecution` (its decoder and readers), so no
-    decode state is shared between threads. At most ``threads * AHEAD_PER_THREAD`` items are
-    read and not yet consumed, which bounds memory at that many items' rows. An error of a unit
-    re-raises, as it was, when its rows are due; a wait for one longer than
-    ``loader.stall_timeout_s`` (a read that hangs) raises
-    :class:`~ray_ingest.errors.StallError`, as on the Ray edge.
+    Reader threads read read items, a bounded number ahead, and submit each unit of at most a
+    batch's rows (fewer where ``loader.max_block_bytes`` asks) to the decode threads as it is
+    read; units are decoded several at once and handed out in stream order as each is done.
+    Decoding whole items instead would hand rows out in bursts of ``threads`` items every
+    ``threads`` items' decode time (as the bench's 0.4 s gaps showed), so that the boundary of an
+    epoch stalls by chance. Reads have threads of their own so that a slow read (``gs://``)
+    holds no decode thread and decodes never queue behind reads. Every thread keeps its own
+    :class:`~ray_ingest.local.LocalExecution` (its decoder and readers), so no decode state is
+    shared between threads. At most ``threads * AHEAD_PER_THREAD`` items are read and not yet
+    consumed, which bounds memory at that many items' rows. An error of a unit re-raises, as it
+    was, when its rows are due; a wait for one longer than ``loader.stall_timeout_s`` (a read
+    that hangs) raises :class:`~ray_ingest.errors.StallError`, as on the Ray edge.
     """
 
     def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
@@ -98,7 +101,8 @@ class ThreadedExecution:
         self.unit_rows = max(1, min(block_rows(cfg), cfg.loader.batch_size))
         self._ahead = self.threads * AHEAD_PER_THREAD
         self._local = threading.local()
-        self._pool: ThreadPoolExecutor | None = None
+        self._readers: ThreadPoolExecutor | None = None
+        self._decoders: ThreadPoolExecutor | None = None
         #: Items being read or consumed, in stream order, each with its units' decodes (ended
         #: by None) as they are submitted.
         self._pending: collections.deque[tuple[ReadItem, queue.SimpleQueue]] = collections.deque()
@@ -114,12 +118,12 @@ class ThreadedExecution:
         return ex
 
     def _read(self, item: ReadItem, units: queue.SimpleQueue) -> None:
-        """Read ``item`` (in a pool thread); each unit's decode is submitted as it is read."""
+        """Read ``item`` (in a reader thread); each unit's decode is submitted as it is read."""
         try:
             for cols in self._worker().read_columns(item, self.unit_rows):
                 if self.closed:
                     return
-                units.put(self._pool.submit(self._decode, cols))
+                units.put(self._decoders.submit(self._decode, cols))
         except BaseException as exc:  # re-raised in the consumer when this unit is due
             failed: Future[Block] = Future()
             failed.set_exception(exc)
@@ -133,12 +137,13 @@ class ThreadedExecution:
         return block
 
     def _fill(self) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ray_ingest-decode")
+        if self._decoders is None:
+            self._decoders = ThreadPoolExecutor(self.threads, thread_name_prefix="ray_ingest-decode")
+            self._readers = ThreadPoolExecutor(self.threads, thread_name_prefix="ray_ingest-read")
         while (not self.closed and len(self._pending) < self._ahead
                and self._next < len(self.items)):
             units: queue.SimpleQueue = queue.SimpleQueue()
-            self._pool.submit(self._read, self.items[self._next], units)
+            self._readers.submit(self._read, self.items[self._next], units)
             self._pending.append((self.items[self._next], units))
             self._next += 1
 
@@ -175,5 +180,6 @@ class ThreadedExecution:
         """Stop: queued reads and decodes are dropped, running ones finish in the background."""
         self.closed = True
         self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._readers, self._decoders):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

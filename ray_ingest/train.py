@@ -138,8 +138,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         # collective: every rank creates every group's process group
         share = GroupShare(dist_channel(topo, device, cfg.loader.group_timeout_s), device)
+    # the pipelines decoding on this node (a group's followers decode nothing) share its cores
+    local = ctx.get_local_world_size()
+    node_pipelines = -(-local // topo.group_size) if share is not None else local
     loader = IngestLoader(cfg, topo, catalog=catalog, state=state, device=device,
-                          start_index=start_index, start_epoch=start_epoch, share=share)
+                          start_index=start_index, start_epoch=start_epoch, share=share,
+                          node_pipelines=node_pipelines)
     done = cfg.train.max_steps is not None and global_step >= cfg.train.max_steps
     if not done:
         loader.start(cfg.train.epochs)  # decode actors start while the model is wrapped

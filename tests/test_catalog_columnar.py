@@ -287,7 +287,7 @@ def test_loader_accepts_a_seed_format_catalog(tmp_path):
     cfg = config_from_dict({"data": {"paths": [str(wd)]}, "loader": {"batch_size": 2}})
     loader = IngestLoader(cfg, Topology(2, 1, cfg.loader.read_workers),
                           catalog=load_catalog(str(wd)))
-    assert list(loader.counts) == [4, 4, 3]
+    assert list(loader.catalog.counts) == [4, 4, 3]
     assert loader.state.dataset["num_samples"] == 11
 
 

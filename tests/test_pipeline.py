@@ -73,7 +73,7 @@ def test_decode_compute_is_auto_actors_tasks_or_threads(dataset):
 def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
     import ray
 
-    from ray_ingest.source import TwinTarDatasource
+    from ray_ingest.datasource import TwinTarDatasource
 
     cfg = _cfg(dataset)
     catalog = load_catalog([dataset])

@@ -1,5 +1,6 @@
 """The stream's stages one by one, without Ray: epoch plan, skip filter, bucket batcher, progress,
-and the epoch demultiplexing of one execution's rows. Stateful stages go through the shared
+the epoch demultiplexing of one execution's rows, the block accounting, the train loop's wait
+clock and the choice of execution. Stateful stages go through the shared
 checkpoint round-trip helper (tests/roundtrip.py)."""
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def test_stage_modules_import_neither_ray_nor_torch():
     import subprocess
 
     code = ("import sys; import ray_ingest.plan.epoch, ray_ingest.skips, ray_ingest.batcher, "
-            "ray_ingest.progress, ray_ingest.columns; "
+            "ray_ingest.progress, ray_ingest.columns, ray_ingest.account, ray_ingest.clock, "
+            "ray_ingest.window, ray_ingest.threads, ray_ingest.executions; "
             "bad = [m for m in ('ray', 'torch') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -429,3 +431,73 @@ def test_handoff_close_reports_a_helper_still_blocked_in_the_source():
     release.set()
     assert h.close(join_s=5) is True
     assert _handoff(iter(()), None).close() is True  # never started
+
+
+# --------------------------------------------------------------------------- accounting
+def test_block_account_takes_the_instrumentation_columns_off():
+    from ray_ingest.account import BlockAccount
+    from ray_ingest.clock import StageClock
+    from ray_ingest.columns import ACTOR, BYTES, NODE, READ_NODE, T_DECODE, T_READ
+    from ray_ingest.headstart import HEAD_ACTOR
+    from ray_ingest.threads import THREAD_ACTOR
+
+    clock, reported = StageClock(), []
+    account = BlockAccount(clock, reported.append)
+    obj = lambda *v: np.array(v, dtype=object)  # noqa: E731
+    block = {SEQ: np.arange(4), ACTOR: obj("a1", "a2", HEAD_ACTOR, THREAD_ACTOR),
+             NODE: obj("n1", "n1", "n2", "n2"), READ_NODE: obj("r", "r", "r", "r"),
+             BYTES: np.array([10, 20, 30, 40]), T_READ: np.full(4, 0.25),
+             T_DECODE: np.full(4, 0.5)}
+    out = account(block)
+    assert list(out) == [SEQ]  # only the rows' own columns go on to the skip filter
+    assert account.actors_seen == {"a1", "a2"} and reported == [["a1", "a2"]]
+    assert account.decode_nodes == {"n1": 2, "n2": 2} and account.read_nodes == {"r": 4}
+    assert (clock.bytes_read, clock.read, clock.decode) == (100, 1.0, 2.0)
+    account({SEQ: np.arange(1), ACTOR: obj(THREAD_ACTOR), T_READ: np.zeros(1),
+             T_DECODE: np.zeros(1)})
+    assert reported == [["a1", "a2"]]  # no pool actor in a block of the decode threads
+
+
+def test_timed_reports_every_wait_of_the_consumer():
+    import time
+
+    from ray_ingest.clock import timed
+
+    def slow():
+        for i in range(3):
+            time.sleep(0.05)
+            yield i
+
+    waits: list[float] = []
+    got = []
+    for item in timed(slow(), waits.append):
+        got.append(item)
+        time.sleep(0.1)  # the consumer's own work is not a wait
+    assert got == [0, 1, 2] and len(waits) == 4  # three items and the end
+    assert all(0.04 <= w < 0.1 for w in waits[:3])
+
+
+# --------------------------------------------------------------------------- executions
+def test_executions_resolve_auto_once_and_open_threads_without_ray(tmp_path):
+    from ray_ingest.catalog import load_catalog
+    from ray_ingest.config import config_from_dict
+    from ray_ingest.executions import Executions
+    from ray_ingest.synth import synth_dataset
+    from ray_ingest.threads import ThreadedExecution, decode_threads
+
+    out = str(tmp_path / "ds")
+    synth_dataset(out, samples=8, shard_size=4, seed=1, min_side=16, max_side=16)
+    cfg = config_from_dict({"data": {"paths": [out]}, "decode": {"small_node_cores": 4096}})
+    catalog = load_catalog([out])
+    ex = Executions(cfg, catalog, Topology(2, 1, 1), node_pipelines=2)
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    assert ex.compute == "threads" and ex.cfg.decode.compute == "threads"
+    assert cfg.decode.compute == "auto"  # the caller's config is left as it was
+    assert ex.threads == decode_threads(cfg.decode, 2)
+    opened = ex([])
+    assert isinstance(opened, ThreadedExecution) and opened.threads == ex.threads
+    assert ex.opened == 1 and ex.head_rows == 0
+    calls = []
+    custom = Executions(cfg, catalog, Topology(1, 0, 1), custom=lambda items: calls.append(items))
+    custom([])
+    assert custom.compute == "custom" and calls == [[]] and custom.cfg is cfg

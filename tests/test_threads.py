@@ -163,10 +163,14 @@ def test_auto_decodes_in_threads_only_on_a_small_single_node():
         assert resolve_compute(DecodeConfig(compute=mode), nodes=8, cores=64) == mode
 
 
-def test_thread_count_defaults_to_twice_the_usable_cores():
+def test_thread_count_defaults_to_twice_the_usable_cores_shared_by_the_nodes_pipelines():
     assert usable_cores() >= 1
     assert decode_threads(DecodeConfig()) == 2 * usable_cores()
     assert decode_threads(DecodeConfig(threads=3)) == 3
+    # several pipelines on one node share its cores (at least one thread each)
+    assert decode_threads(DecodeConfig(), node_pipelines=2) == max(1, usable_cores())
+    assert decode_threads(DecodeConfig(), node_pipelines=10 ** 6) == 1
+    assert decode_threads(DecodeConfig(threads=3), node_pipelines=2) == 3  # as set
     with pytest.raises(ConfigError, match=r"decode.threads: expected a number >= 1, got 0"):
         DecodeConfig(threads=0)
 
