@@ -132,36 +132,33 @@ def run_ray_wds(root: str, res: int, batch: int, cores: int, epochs: int) -> Bat
             yield epoch, len(b["image"])
 
 
+def _decoded_batches(urls: list[str], res: int, batch: int) -> Iterator[int]:
+    """Decode every image of ``urls`` (plain ``tarfile``); the size of each batch's worth."""
+    n = 0
+    for url in urls:
+        with tarfile.open(url, "r|") as tf:
+            for ti in tf:
+                if ti.isfile():
+                    decode_image(tf.extractfile(ti).read(), res)
+                    n += 1
+                    if n == batch:
+                        yield n
+                        n = 0
+    if n:
+        yield n
+
+
 def run_ceiling(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
     for epoch in range(epochs):
-        n = 0
-        for url in shard_urls(root, "image"):
-            with tarfile.open(url, "r|") as tf:
-                for ti in tf:
-                    if ti.isfile():
-                        decode_image(tf.extractfile(ti).read(), res)
-                        n += 1
-                        if n == batch:
-                            yield epoch, n
-                            n = 0
-        if n:
+        for n in _decoded_batches(shard_urls(root, "image"), res, batch):
             yield epoch, n
 
 
 def _ceiling_worker(urls: list[str], res: int, batch: int, go, out) -> None:
     """One process of ``ceiling_par``: per epoch asked for on ``go``, decode ``urls``; counts."""
     while (epoch := go.get()) is not None:
-        n = 0
-        for url in urls:
-            with tarfile.open(url, "r|") as tf:
-                for ti in tf:
-                    if ti.isfile():
-                        decode_image(tf.extractfile(ti).read(), res)
-                        n += 1
-                        if n == batch:
-                            out.put((epoch, n))
-                            n = 0
-        out.put((epoch, n))
+        for n in _decoded_batches(urls, res, batch):
+            out.put((epoch, n))
         out.put((epoch, None))
 
 

@@ -149,8 +149,9 @@ class DecodeConfig:
     #: rank's own process (no Ray: ray_ingest/threads.py); ``auto``, threads on a small
     #: single-node cluster, actors otherwise (:func:`ray_ingest.threads.resolve_compute`).
     compute: str = attrs.field(default="auto", validator=_one_of(COMPUTE_MODES))
-    #: Decode threads of ``compute: threads`` (None: twice the cores this process may use:
-    #: a thread waiting for the GIL or a read leaves its core to another).
+    #: Decode threads of ``compute: threads`` (None: twice the cores this process may use,
+    #: shared by the node's decoding pipelines: a thread waiting for the GIL leaves its core
+    #: to another).
     threads: int | None = attrs.field(default=None, validator=_opt_at_least(1))
     #: ``compute: auto`` decodes in threads on a one-node cluster whose node (as this process
     #: sees it) has at most this many cores, where decode actors cost more than they add.
