@@ -478,7 +478,8 @@ def test_timed_reports_every_wait_of_the_consumer():
 
 
 # --------------------------------------------------------------------------- executions
-def test_executions_resolve_auto_once_and_open_threads_without_ray(tmp_path):
+def test_executions_resolve_auto_once_and_open_threads_without_ray(tmp_path, monkeypatch):
+    from ray_ingest import executions
     from ray_ingest.catalog import load_catalog
     from ray_ingest.config import config_from_dict
     from ray_ingest.executions import Executions
@@ -489,8 +490,10 @@ def test_executions_resolve_auto_once_and_open_threads_without_ray(tmp_path):
     synth_dataset(out, samples=8, shard_size=4, seed=1, min_side=16, max_side=16)
     cfg = config_from_dict({"data": {"paths": [out]}, "decode": {"small_node_cores": 4096}})
     catalog = load_catalog([out])
+    monkeypatch.setattr(executions, "_ray_nodes", lambda: 2)  # a cluster of two nodes
+    assert Executions(cfg, catalog, Topology(2, 1, 1)).compute == "actors"
+    monkeypatch.setattr(executions, "_ray_nodes", lambda: None)  # no Ray: this machine alone
     ex = Executions(cfg, catalog, Topology(2, 1, 1), node_pipelines=2)
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
     assert ex.compute == "threads" and ex.cfg.decode.compute == "threads"
     assert cfg.decode.compute == "auto"  # the caller's config is left as it was
     assert ex.threads == decode_threads(cfg.decode, 2)
