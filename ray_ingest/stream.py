@@ -1,15 +1,17 @@
 """Per-rank stream into Ray Train: the loader wires the stages of one rank's data path.
 
     ReadState ─► plan (plan/epoch.py: unconsumed items, batch counts, a window of epochs)
-              ─► Ray edge (pipeline.py: read tasks ─► decode actors, one execution per window)
-              ─► epoch window (window.py) ─► skip filter (skips.py) ─► batcher (batcher.py)
-              ─► progress into ReadState (progress.py) ─► torch (collate.py)
+              ─► execution (executions.py: the Ray edge, pipeline.py, with decode actors or
+                 tasks; or decode threads here, threads.py), one per window
+              ─► epoch window (window.py) ─► accounting (account.py) ─► skip filter (skips.py)
+              ─► batcher (batcher.py) ─► progress into ReadState (progress.py)
+              ─► torch (collate.py) ─► [group share: group.py] ─► the train loop
 
 Inside ``train_loop_per_worker`` every rank builds its own, ordered pipeline for the stream of
 its data-parallel slot (ray_notes §6–§7), so the ranks of one parallel group see identical
-batches. One Ray Data execution reads the rest of the current epoch and the following epochs in
-order, so decode actors and read workers start once per job (and once per resume) and the next
-epoch is read while the current one trains. The loader records what the trainer *consumed*,
+batches. One execution reads the rest of the current epoch and the following epochs in order,
+so decode actors and read workers start once per job (and once per resume) and the next epoch
+is read while the current one trains. The loader records what the trainer *consumed*,
 never what was prefetched.
 """
 
