@@ -45,7 +45,11 @@ def test_stage_modules_import_neither_ray_nor_torch():
 
     code = ("import sys; import ray_ingest.plan.epoch, ray_ingest.skips, ray_ingest.batcher, "
             "ray_ingest.progress, ray_ingest.columns, ray_ingest.account, ray_ingest.clock, "
-            "ray_ingest.window, ray_ingest.threads, ray_ingest.executions; "
+            "ray_ingest.window, ray_ingest.threads, ray_ingest.executions, ray_ingest.source, "
+            "ray_ingest.local, ray_ingest.headstart, ray_ingest.decode, ray_ingest.config; "
+            # nor do a decoder and a read's node id where no Ray runs (a process of threads)
+            "ray_ingest.decode.Decoder(ray_ingest.config.DecodeConfig()); "
+            "assert ray_ingest.source._node_id() == 'local'; "
             "bad = [m for m in ('ray', 'torch') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
