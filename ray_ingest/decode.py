@@ -14,7 +14,6 @@ import json
 import logging
 import pickle
 import re
-import sys
 import time
 from typing import Any
 
@@ -49,6 +48,7 @@ from ray_ingest.columns import (
 )
 from ray_ingest.config import DecodeConfig
 from ray_ingest.errors import IngestError, UnsafeFormatError
+from ray_ingest.metrics import running_ray
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,10 @@ class Decoder:
         }
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
         self.actor_id, self.node_id = "local", "local"
-        # Only ask a Ray already imported and running: get_runtime_context() would start (or
-        # join) one, and importing it costs the decode threads of a process without Ray ~1 s.
-        ray = sys.modules.get("ray")
+        # Only ask a Ray already running: get_runtime_context() would start (or join) one.
+        ray = running_ray()
         try:
-            if ray is not None and ray.is_initialized():
+            if ray is not None:
                 ctx = ray.get_runtime_context()
                 # a task (decode.compute: tasks) is named by its worker process
                 worker = ctx.worker.mode == ray.WORKER_MODE

@@ -10,7 +10,6 @@ execution.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import attrs
@@ -19,6 +18,7 @@ from ray_ingest.catalog import Catalog
 from ray_ingest.config import Config
 from ray_ingest.headstart import HeadStart, split_head
 from ray_ingest.local import LocalExecution
+from ray_ingest.metrics import running_ray
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.plan.topology import Topology
 from ray_ingest.threads import ThreadedExecution, decode_threads, resolve_compute, usable_cores
@@ -90,7 +90,5 @@ class Executions:
 def _ray_nodes() -> int | None:
     """Alive nodes of the Ray cluster this process is connected to (None: not connected).
     Asks only a Ray already imported and initialised: this module does not start one."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return None
-    return sum(1 for n in ray.nodes() if n.get("Alive"))
+    ray = running_ray()
+    return None if ray is None else sum(1 for n in ray.nodes() if n.get("Alive"))

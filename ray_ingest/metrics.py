@@ -66,19 +66,22 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 _LOCK = threading.Lock()
 _METRICS: dict[str, Any] = {}
-#: Tags of the read task running in this process (read tasks run one at a time per worker).
-_READ_TAGS: dict[str, str] = {}
+#: Tags of the read running in each thread of this process: one read at a time per read-task
+#: worker, but several at once in a process of decode threads (its reader threads).
+_READ = threading.local()
 
 
-def _ray_ready() -> bool:
+def running_ray() -> Any | None:
+    """The ``ray`` module when this process already imported it and runs or joined a Ray
+    instance, else None: never imports, starts or joins one (importing it alone costs ~1 s)."""
     ray = sys.modules.get("ray")
-    return ray is not None and ray.is_initialized()
+    return ray if ray is not None and ray.is_initialized() else None
 
 
 def _metric(name: str) -> Any | None:
     """The process's metric object for ``name`` (created on first use), None without Ray."""
     m = _METRICS.get(name)
-    if m is not None or not _ray_ready():
+    if m is not None or running_ray() is None:
         return m
     with _LOCK:
         if name not in _METRICS:
@@ -173,18 +176,17 @@ class LoaderMetrics:
 @contextlib.contextmanager
 def read_scope(tag_values: Mapping[str, str] | None) -> Iterator[None]:
     """Attribute what this process reads (bytes, remote retries) to a loader's tags."""
-    previous = dict(_READ_TAGS)
-    _READ_TAGS.clear()
-    _READ_TAGS.update(tag_values or {})
+    previous = getattr(_READ, "tags", {})
+    _READ.tags = dict(tag_values or {})
     try:
         yield
     finally:
-        _READ_TAGS.clear()
-        _READ_TAGS.update(previous)
+        _READ.tags = previous
 
 
 def _read_tags() -> dict[str, str]:
-    return {k: _READ_TAGS.get(k, "") for k in TAG_KEYS}
+    tags = getattr(_READ, "tags", {})
+    return {k: tags.get(k, "") for k in TAG_KEYS}
 
 
 def on_bytes_read(n: int) -> None:

@@ -19,7 +19,6 @@ head start and the decode threads all read with it. No Ray, no torch.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -179,8 +178,8 @@ def _reason(exc: BaseException) -> str:
 def _node_id() -> str:
     """The Ray node this read runs on ("local" outside Ray: never imports, starts or joins
     one)."""
-    ray = sys.modules.get("ray")
-    return ray.get_runtime_context().get_node_id() if ray and ray.is_initialized() else "local"
+    ray = metrics.running_ray()
+    return ray.get_runtime_context().get_node_id() if ray is not None else "local"
 
 
 def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -> IngestError:

@@ -54,7 +54,7 @@ def total(series, name: str, **labels: str) -> float | None:
 
 
 def test_recorder_is_a_no_op_without_ray(monkeypatch):
-    monkeypatch.setattr(metrics, "_ray_ready", lambda: False)
+    monkeypatch.setattr(metrics, "running_ray", lambda: None)
     monkeypatch.setattr(metrics, "_METRICS", {})
     rec = metrics.LoaderMetrics(0, 0, "fp")
     rec.on_wait(0.5)
@@ -65,6 +65,31 @@ def test_recorder_is_a_no_op_without_ray(monkeypatch):
     metrics.on_bytes_read(10)
     metrics.on_remote_retry()
     assert metrics._METRICS == {}
+
+
+def test_read_scopes_of_concurrent_threads_keep_their_own_tags():
+    """The reader threads of ``decode.compute: threads`` read at once: a scope that ends in one
+    thread must neither clear nor leak another's tags."""
+    import threading
+
+    entered, leave = threading.Barrier(2), threading.Event()
+    seen: dict[str, dict[str, str]] = {}
+
+    def read(rank: str) -> None:
+        with metrics.read_scope({"rank": rank, "slot": "0", "dataset": "fp"}):
+            entered.wait(5)
+            if rank == "1":
+                leave.wait(5)  # thread 0 leaves its scope while this one still reads
+            seen[rank] = metrics._read_tags()
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in ("0", "1")]
+    for t in threads:
+        t.start()
+    threads[0].join(5)
+    leave.set()
+    threads[1].join(5)
+    assert seen["0"]["rank"] == "0" and seen["1"]["rank"] == "1"
+    assert metrics._read_tags()["rank"] == ""  # nothing leaks into this thread
 
 
 def test_pure_layers_import_without_ray():
