@@ -3,7 +3,7 @@
 What the Ray edge computes for a rank's stream, without Ray: the same :func:`read_item` and
 :class:`~ray_ingest.decode.Decoder`, so the rows are the same bit for bit. The head start
 (:mod:`ray_ingest.headstart`) decodes an execution's first items with it while the pool starts,
-``decode.compute: threads`` (:mod:`ray_ingest.threads`) keeps one per thread, and tests run the
+``decode.compute: threads`` (:mod:`ray_ingest.threads`) reads and decodes with one on all its threads, and tests run the
 loader's stages on it without a cluster. No Ray, no torch.
 """
 

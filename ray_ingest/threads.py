@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import os
 import queue
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -84,9 +83,9 @@ class ThreadedExecution:
     Decoding whole items instead would hand rows out in bursts of ``threads`` items every
     ``threads`` items' decode time (as the bench's 0.4 s gaps showed), so that the boundary of an
     epoch stalls by chance. Reads have threads of their own so that a slow read (``gs://``)
-    holds no decode thread and decodes never queue behind reads. Every thread keeps its own
-    :class:`~ray_ingest.local.LocalExecution` (its decoder and readers), so no decode state is
-    shared between threads. At most ``threads * AHEAD_PER_THREAD`` items are read and not yet
+    holds no decode thread and decodes never queue behind reads. All threads read and decode
+    with one :class:`~ray_ingest.local.LocalExecution`: a read opens its own files and the
+    decoder keeps no state between calls. At most ``threads * AHEAD_PER_THREAD`` items are read and not yet
     consumed, which bounds memory at that many items' rows. An error of a unit re-raises, as it
     was, when its rows are due; a wait for one longer than ``loader.stall_timeout_s`` (a read
     that hangs) raises :class:`~ray_ingest.errors.StallError`, as on the Ray edge.
@@ -94,13 +93,14 @@ class ThreadedExecution:
 
     def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
                  metric_tags: dict[str, str] | None = None, threads: int | None = None):
-        self.cfg, self.catalog, self.metric_tags = cfg, catalog, metric_tags
+        self.cfg, self.catalog = cfg, catalog
         self.items = [it for it in items if it.count > 0]
         self.threads = threads or decode_threads(cfg.decode)
         #: Rows decoded as one unit: a batch at most, so rows come out as steadily as batches.
         self.unit_rows = max(1, min(block_rows(cfg), cfg.loader.batch_size))
         self._ahead = self.threads * AHEAD_PER_THREAD
-        self._local = threading.local()
+        #: Reads and decodes for every thread (the Ray edge's read and decode code).
+        self._local = LocalExecution(cfg, catalog, [], metric_tags)
         self._readers: ThreadPoolExecutor | None = None
         self._decoders: ThreadPoolExecutor | None = None
         #: Items being read or consumed, in stream order, each with its units' decodes (ended
@@ -111,16 +111,10 @@ class ThreadedExecution:
         #: Items read and consumed.
         self.read = 0
 
-    def _worker(self) -> LocalExecution:
-        ex = getattr(self._local, "ex", None)
-        if ex is None:
-            ex = self._local.ex = LocalExecution(self.cfg, self.catalog, [], self.metric_tags)
-        return ex
-
     def _read(self, item: ReadItem, units: queue.SimpleQueue) -> None:
         """Read ``item`` (in a reader thread); each unit's decode is submitted as it is read."""
         try:
-            for cols in self._worker().read_columns(item, self.unit_rows):
+            for cols in self._local.read_columns(item, self.unit_rows):
                 if self.closed:
                     return
                 units.put(self._decoders.submit(self._decode, cols))
@@ -132,7 +126,7 @@ class ThreadedExecution:
         units.put(None)
 
     def _decode(self, cols: dict[str, list]) -> Block:
-        block = self._worker().decoder(cols)
+        block = self._local.decoder(cols)
         block[ACTOR] = np.full(len(block[SEQ]), THREAD_ACTOR, dtype=object)
         return block
 
