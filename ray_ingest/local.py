@@ -3,8 +3,8 @@
 What the Ray edge computes for a rank's stream, without Ray: the same :func:`read_item` and
 :class:`~ray_ingest.decode.Decoder`, so the rows are the same bit for bit. The head start
 (:mod:`ray_ingest.headstart`) decodes an execution's first items with it while the pool starts,
-``decode.compute: threads`` (:mod:`ray_ingest.threads`) reads and decodes with one on all its threads, and tests run the
-loader's stages on it without a cluster. No Ray, no torch.
+``decode.compute: threads`` (:mod:`ray_ingest.threads`) reads and decodes with one on all its
+threads, and tests run the loader's stages on it without a cluster. No Ray, no torch.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class LocalExecution:
     def factory(cls, cfg: Config, catalog: Catalog):
         return lambda items: cls(cfg, catalog, items)
 
-    def read_columns(self, item: ReadItem, rows: int | None = None) -> Iterator[dict[str, list[Any]]]:
+    def read_columns(self, item: ReadItem, rows: int | None = None
+                     ) -> Iterator[dict[str, list[Any]]]:
         """The raw rows of one read item as column lists, ``rows`` (default: a block) at a time."""
         self.read += 1
         yield from read_item(self.catalog.shard(item.sid), item, self.opts,
