@@ -85,10 +85,11 @@ class ThreadedExecution:
     epoch stalls by chance. Reads have threads of their own so that a slow read (``gs://``)
     holds no decode thread and decodes never queue behind reads. All threads read and decode
     with one :class:`~ray_ingest.local.LocalExecution`: a read opens its own files and the
-    decoder keeps no state between calls. At most ``threads * AHEAD_PER_THREAD`` items are read and not yet
-    consumed, which bounds memory at that many items' rows. An error of a unit re-raises, as it
-    was, when its rows are due; a wait for one longer than ``loader.stall_timeout_s`` (a read
-    that hangs) raises :class:`~ray_ingest.errors.StallError`, as on the Ray edge.
+    decoder keeps no state between calls. At most ``threads * AHEAD_PER_THREAD`` items are read
+    and not yet consumed, which bounds memory at that many items' rows. An error of a unit
+    re-raises, as it was, when its rows are due; a wait for one longer than
+    ``loader.stall_timeout_s`` (a read that hangs) raises
+    :class:`~ray_ingest.errors.StallError`, as on the Ray edge.
     """
 
     def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
@@ -132,7 +133,8 @@ class ThreadedExecution:
 
     def _fill(self) -> None:
         if self._decoders is None:
-            self._decoders = ThreadPoolExecutor(self.threads, thread_name_prefix="ray_ingest-decode")
+            self._decoders = ThreadPoolExecutor(self.threads,
+                                                thread_name_prefix="ray_ingest-decode")
             self._readers = ThreadPoolExecutor(self.threads, thread_name_prefix="ray_ingest-read")
         while (not self.closed and len(self._pending) < self._ahead
                and self._next < len(self.items)):
