@@ -3,7 +3,9 @@
     .venv/bin/python bench/throughput.py [--samples 9600] [--epochs 3] [--runs 3]
     .venv/bin/ray-ingest bench [same flags]
 
-Contenders (all decode with the same function: Pillow + JPEG draft + resize/center crop):
+Contenders (all decode the same bytes: Pillow + JPEG draft + resize/center crop; the baselines
+resize the whole image, then crop, as their users write it, unless ``--baseline-resize kept``
+gives them ours, ``augment.resize_crop``, which resamples only the kept pixels):
   ours       IngestLoader (TwinTarDatasource -> Decoder actor pool -> batches), one rank
   wds_dl     webdataset tar iterators zipped per twin shard (PiD's loader) in a torch
              DataLoader with ``--cores`` workers, started afresh every epoch
@@ -31,21 +33,26 @@ import statistics
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from PIL import Image
 
-from ray_ingest.augment import Geometry, draft_for, resize_crop
+from ray_ingest.augment import Geometry, draft_for, resize_crop, resize_then_crop
 
 Batches = Iterator[tuple[int, int]]  # (epoch, samples) per delivered batch
+Resize = Callable[..., np.ndarray]
+#: The baselines' resize + crop (``--baseline-resize``); passed on explicitly, because the
+#: contenders' worker processes (spawned, or Ray's) do not see this process's globals.
+BASELINE_RESIZE: dict[str, Resize] = {"whole": resize_then_crop, "kept": resize_crop}
+BASELINE: dict[str, Resize] = {"resize": resize_then_crop}
 
 
-def decode_image(data: bytes, res: int) -> np.ndarray:
+def decode_image(data: bytes, res: int, resize: Resize = resize_then_crop) -> np.ndarray:
     geom = Geometry(res, res, "center")
     img = Image.open(io.BytesIO(data))
     draft_for(img, geom)
-    return resize_crop(img, geom)
+    return resize(img, geom)
 
 
 def shard_urls(root: str, modality: str) -> list[str]:
@@ -83,8 +90,8 @@ def run_ours(root: str, res: int, batch: int, cores: int, epochs: int) -> Batche
 class _TwinWds(__import__("torch").utils.data.IterableDataset):
     """PiD-style: per shard, zip webdataset tar iterators of both modalities; split by worker."""
 
-    def __init__(self, pairs: list[tuple[str, str]], res: int):
-        self.pairs, self.res = pairs, res
+    def __init__(self, pairs: list[tuple[str, str]], res: int, resize: Resize):
+        self.pairs, self.res, self.resize = pairs, res, resize
 
     def __iter__(self):
         import torch.utils.data as tud
@@ -95,7 +102,8 @@ class _TwinWds(__import__("torch").utils.data.IterableDataset):
         for img_url, cap_url in self.pairs[wid::nw]:
             with open(img_url, "rb") as fi, open(cap_url, "rb") as fc:
                 for a, b in zip(tar_file_iterator(fi), tar_file_iterator(fc), strict=False):
-                    yield decode_image(a["data"], self.res), json.loads(b["data"])["prompt"]
+                    yield (decode_image(a["data"], self.res, self.resize),
+                           json.loads(b["data"])["prompt"])
 
 
 def _dataloader(root: str, res: int, batch: int, cores: int, epochs: int,
@@ -103,7 +111,7 @@ def _dataloader(root: str, res: int, batch: int, cores: int, epochs: int,
     import torch.utils.data as tud
 
     pairs = list(zip(shard_urls(root, "image"), shard_urls(root, "caption"), strict=True))
-    dl = tud.DataLoader(_TwinWds(pairs, res), batch_size=batch, num_workers=cores,
+    dl = tud.DataLoader(_TwinWds(pairs, res, BASELINE["resize"]), batch_size=batch, num_workers=cores,
                         persistent_workers=persistent, prefetch_factor=4)
     for epoch in range(epochs):
         for imgs, _caps in dl:
@@ -122,9 +130,10 @@ def run_ray_wds(root: str, res: int, batch: int, cores: int, epochs: int) -> Bat
     import ray
 
     ds = ray.data.read_webdataset(shard_urls(root, "image"), decoder=None, num_cpus=0.25)
+    resize = BASELINE["resize"]
 
     def dec(b):
-        return {"image": np.stack([decode_image(x, res) for x in b["jpg"]])}
+        return {"image": np.stack([decode_image(x, res, resize) for x in b["jpg"]])}
 
     ds = ds.map_batches(dec, batch_format="numpy", num_cpus=0.5, batch_size=32)
     for epoch in range(epochs):
@@ -132,14 +141,14 @@ def run_ray_wds(root: str, res: int, batch: int, cores: int, epochs: int) -> Bat
             yield epoch, len(b["image"])
 
 
-def _decoded_batches(urls: list[str], res: int, batch: int) -> Iterator[int]:
+def _decoded_batches(urls: list[str], res: int, batch: int, resize: Resize) -> Iterator[int]:
     """Decode every image of ``urls`` (plain ``tarfile``); the size of each batch's worth."""
     n = 0
     for url in urls:
         with tarfile.open(url, "r|") as tf:
             for ti in tf:
                 if ti.isfile():
-                    decode_image(tf.extractfile(ti).read(), res)
+                    decode_image(tf.extractfile(ti).read(), res, resize)
                     n += 1
                     if n == batch:
                         yield n
@@ -150,14 +159,14 @@ def _decoded_batches(urls: list[str], res: int, batch: int) -> Iterator[int]:
 
 def run_ceiling(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
     for epoch in range(epochs):
-        for n in _decoded_batches(shard_urls(root, "image"), res, batch):
+        for n in _decoded_batches(shard_urls(root, "image"), res, batch, BASELINE["resize"]):
             yield epoch, n
 
 
-def _ceiling_worker(urls: list[str], res: int, batch: int, go, out) -> None:
+def _ceiling_worker(urls: list[str], res: int, batch: int, resize: Resize, go, out) -> None:
     """One process of ``ceiling_par``: per epoch asked for on ``go``, decode ``urls``; counts."""
     while (epoch := go.get()) is not None:
-        for n in _decoded_batches(urls, res, batch):
+        for n in _decoded_batches(urls, res, batch, resize):
             out.put((epoch, n))
         out.put((epoch, None))
 
@@ -169,7 +178,7 @@ def run_ceiling_par(root: str, res: int, batch: int, cores: int, epochs: int) ->
     urls = shard_urls(root, "image")
     out = ctx.Queue()
     gos = [ctx.Queue() for _ in range(cores)]
-    procs = [ctx.Process(target=_ceiling_worker, args=(urls[w::cores], res, batch, gos[w], out),
+    procs = [ctx.Process(target=_ceiling_worker, args=(urls[w::cores], res, batch, BASELINE["resize"], gos[w], out),
                          daemon=True) for w in range(cores)]
     for p in procs:
         p.start()
@@ -237,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2,
                    help="DataLoader workers / ceiling multiplier")
     p.add_argument("--only", default=",".join(CONTENDERS))
+    p.add_argument("--baseline-resize", choices=sorted(BASELINE_RESIZE), default="whole",
+                   help="the baselines' resize: whole image then crop (default, as their users "
+                        "write it) or ours, resampling only the kept pixels (same bytes)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--block-rows", type=int, default=None,
                    help="ours: loader.block_rows (default: the config default)")
@@ -251,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
+    BASELINE["resize"] = BASELINE_RESIZE[args.baseline_resize]
     if args.block_rows:
         OURS["loader"]["block_rows"] = args.block_rows
     if args.pool:
@@ -298,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         per = list(zip(*(run["boundary_stall_s"] for run in v), strict=True))
         med[n]["boundary_stall_s"] = [statistics.median(x) for x in per]
     print(f"\nmedians of {args.runs} interleaved runs, {args.epochs} epochs "
-          "(ceiling = 1-process rate x cores):")
+          f"(ceiling = 1-process rate x cores; baselines resize: {args.baseline_resize}):")
     print(f"  {'contender':10s} {'whole':>8s} {'steady':>8s} {'1st batch':>10s}  boundary stalls")
     for n in names:
         m = med[n]
