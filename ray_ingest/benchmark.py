@@ -207,6 +207,13 @@ CONTENDERS = {"ours": run_ours, "wds_dl": run_wds_dl, "wds_dl_pw": run_wds_dl_pw
 GOALS = {"wds_dl_pw": {"whole": 1.0, "steady": 1.1}}
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and its ended children (the DataLoader's and
+    ``ceiling_par``'s workers end with their run; Ray's own processes are not counted)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def summarize(t0: float, events: list[tuple[int, float, int]], mult: int = 1) -> dict:
     """Figures of one run from ``(epoch, time, samples)`` per batch (times from perf_counter)."""
     total = sum(n for _, _, n in events)
@@ -295,15 +302,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.runs):
         for name in names:
             mult = args.cores if name == "ceiling" else 1
+            cpu0 = _cpu_s()
             t0 = time.perf_counter()
             events = [(e, time.perf_counter(), k) for e, k in
                       CONTENDERS[name](args.data, args.res, args.batch, args.cores, args.epochs)]
             s = summarize(t0, events, mult)
+            s["cpu_s"] = _cpu_s() - cpu0
             runs[name].append(s)
             stalls = " ".join(f"{x:.2f}" for x in s["boundary_stall_s"])
             print(f"run {r} {name:9s} {s['samples']} samples in {s['wall_s']:6.2f} s: whole "
                   f"{s['whole']:7.1f}/s steady {s['steady']:7.1f}/s first batch "
-                  f"{s['first_batch_s']:5.2f} s boundary stalls [{stalls}] s", flush=True)
+                  f"{s['first_batch_s']:5.2f} s boundary stalls [{stalls}] s; CPU "
+                  f"{s['cpu_s'] / s['samples'] * 1e3:.2f} ms/sample, "
+                  f"{s['cpu_s'] / s['wall_s']:.2f} cores busy", flush=True)
     med = {n: {k: statistics.median(run[k] for run in v) for k in ("whole", "steady",
                                                                     "first_batch_s")}
            for n, v in runs.items()}
