@@ -1,8 +1,9 @@
 """Image geometry: aspect-ratio buckets, shorter-side resize, center or seeded random crop.
 
-Pure Pillow + numpy (no Ray, no torch). Random crops draw from a seed derived with hashlib
-from (run seed, epoch, shard, index), so a sample's crop does not depend on which actor
-decoded it or when.
+The resize computes only the pixels the crop keeps, giving the textbook
+resize-then-crop's bytes for less CPU (:func:`resize_crop`). Pure Pillow + numpy (no Ray, no
+torch). Random crops draw from a seed derived with hashlib from (run seed, epoch, shard, index),
+so a sample's crop does not depend on which actor decoded it or when.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def resize_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = None) -
     """Resize so the image covers ``geom`` (shorter side scaled), then crop; uint8 HWC RGB.
 
     Bit for bit :func:`resize_then_crop`, but resampling only what the crop keeps
-    (:func:`_resize_kept`): 15 % less resize time on the benchmark's 512-768 px photos, up to
-    half where the crop drops half. Falls back to the textbook path when the installed Pillow's
+    (:func:`_resize_kept`): ~10 % less resize time on the throughput bench's 512-768 px JPEGs,
+    0.84x the whole Decoder's time at 1920x1080 -> 1024² (docs/operations.md). Falls back to the textbook path when the installed Pillow's
     pass order is not one this module knows (:func:`pass_order`).
     """
     img, size, box = _cover(img, geom, rng_seed)
