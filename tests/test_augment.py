@@ -113,3 +113,18 @@ def test_kept_resize_does_less_work_than_the_whole(size):
     (w, h), (nw, nh) = whole[0]
     first = nw * h if augment.pass_order()(w, h, nw, nh) else w * nh
     assert len(kept) == 2 and kept_work < 0.9 * (first + nw * nh), (kept, whole)
+
+
+def test_a_pillow_that_refuses_the_kept_path_gets_the_whole_resize(monkeypatch):
+    def refuses(*a):
+        raise ValueError("box can't exceed original image size")
+
+    augment.pass_order.cache_clear()
+    monkeypatch.setattr(augment, "_resize_kept", refuses)
+    try:
+        assert augment.pass_order() is None
+        img = _noise(400, 260, 5)
+        assert np.array_equal(resize_crop(img, Geometry(96, 96)),
+                              resize_then_crop(img, Geometry(96, 96)))
+    finally:
+        augment.pass_order.cache_clear()  # the next caller probes the real path again
