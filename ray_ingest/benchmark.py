@@ -111,8 +111,8 @@ def _dataloader(root: str, res: int, batch: int, cores: int, epochs: int,
     import torch.utils.data as tud
 
     pairs = list(zip(shard_urls(root, "image"), shard_urls(root, "caption"), strict=True))
-    dl = tud.DataLoader(_TwinWds(pairs, res, BASELINE["resize"]), batch_size=batch, num_workers=cores,
-                        persistent_workers=persistent, prefetch_factor=4)
+    dl = tud.DataLoader(_TwinWds(pairs, res, BASELINE["resize"]), batch_size=batch,
+                        num_workers=cores, persistent_workers=persistent, prefetch_factor=4)
     for epoch in range(epochs):
         for imgs, _caps in dl:
             yield epoch, len(imgs)
@@ -178,8 +178,10 @@ def run_ceiling_par(root: str, res: int, batch: int, cores: int, epochs: int) ->
     urls = shard_urls(root, "image")
     out = ctx.Queue()
     gos = [ctx.Queue() for _ in range(cores)]
-    procs = [ctx.Process(target=_ceiling_worker, args=(urls[w::cores], res, batch, BASELINE["resize"], gos[w], out),
-                         daemon=True) for w in range(cores)]
+    resize = BASELINE["resize"]
+    procs = [ctx.Process(target=_ceiling_worker,
+                         args=(urls[w::cores], res, batch, resize, gos[w], out), daemon=True)
+             for w in range(cores)]
     for p in procs:
         p.start()
     try:
