@@ -5,8 +5,9 @@ target rate R samples/s are ``R × cost_s``, per GPU ``R_gpu × cost_s``. Runs t
 :class:`ray_ingest.decode.Decoder` in this process (no Ray), on synthetic JPEGs
 (``ray_ingest.synth.make_image``: gradients plus noise blocks, quality 90; natural photos of the
 same size usually cost more to entropy-decode, so treat the figures as a lower bound). The
-``whole`` column is the same Decoder resizing the whole image before it crops (the textbook
-transform, ``augment.resize_then_crop``); the default resamples only the kept pixels, same bytes.
+``Image.open`` column is the same Decoder opening JPEGs with Pillow's Python parser instead of
+``ray_ingest.jpeg``; ``whole`` also resizes the whole image before it crops (the textbook
+transform, ``augment.resize_then_crop``). All three give the same bytes.
 
     .venv/bin/python bench/decode_cost.py [--images 8] [--repetitions 3]
 """
@@ -21,12 +22,16 @@ import time
 
 import numpy as np
 
-from ray_ingest import augment
+from ray_ingest import augment, jpeg
 from ray_ingest.config import DecodeConfig
 from ray_ingest.decode import Decoder
 from ray_ingest.synth import SampleSpec, make_image
 from ray_ingest.twin import ext_column
 
+#: Timed paths, interleaved: the Decoder as configured (JPEG headers parsed by ray_ingest.jpeg,
+#: kept-pixel resize); JPEGs through ``Image.open`` instead; and the textbook path (``Image.open``,
+#: whole resize, then crop).
+MODES = ("default", "Image.open", "whole")
 #: (label, source width, source height, resolution, bucket): output = bucket shape at area res².
 CASES = (
     ("512x384 -> 256x256", 512, 384, 256, None),
@@ -54,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
                 for i, data in enumerate(images)]
         dec.decode_row(rows[0])  # warm-up
         augment.pass_order()
-        times: dict[str, list[float]] = {"kept": [], "whole": []}
+        jpeg.usable()
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
         for rep in range(args.repetitions):
-            for mode in ("kept", "whole") if rep % 2 == 0 else ("whole", "kept"):
-                real = augment.pass_order
+            for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+                real_order, real_jpeg = augment.pass_order, jpeg.usable
+                if mode != "default":  # JPEGs through Image.open
+                    jpeg.usable = lambda: False
                 if mode == "whole":  # the textbook path: resize the whole image, then crop
                     augment.pass_order = lambda: None
                 try:
@@ -66,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                         out = dec.decode_row(row)
                     times[mode].append((time.perf_counter() - t0) / len(rows))
                 finally:
-                    augment.pass_order = real
-        cost = statistics.median(times["kept"])
-        whole = statistics.median(times["whole"])
+                    augment.pass_order, jpeg.usable = real_order, real_jpeg
+        cost, opened, whole = (statistics.median(times[mode]) for mode in MODES)
         shape = out["image"].shape
         print(f"{label:45s} out {shape[1]}x{shape[0]}  {cost * 1000:7.1f} ms/sample  "
-              f"{1 / cost:7.1f} samples/s/core  whole {whole * 1000:7.1f} ms ({cost / whole:.2f}x)"
+              f"{1 / cost:7.1f} samples/s/core  Image.open {opened * 1000:7.1f} ms "
+              f"({cost / opened:.2f}x)  whole {whole * 1000:7.1f} ms ({cost / whole:.2f}x)"
               f"  jpeg {np.mean([len(x) for x in images]) / 1024:.0f} KiB"
               f"  decoded {shape[0] * shape[1] * 3 / 1024**2:.1f} MiB")
     return 0

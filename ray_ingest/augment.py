@@ -209,12 +209,20 @@ def pass_order() -> PassOrder | None:
     return None
 
 
+def draft_size(size: tuple[int, int], geom: Geometry) -> tuple[int, int] | None:
+    """The size :func:`draft_for` asks libjpeg for, or None (no DCT scaling)."""
+    w, h = size
+    scale = max(geom.width / w, geom.height / h)
+    if scale > 0.5:
+        return None
+    return math.ceil(w * scale), math.ceil(h * scale)
+
+
 def draft_for(img: Image.Image, geom: Geometry) -> None:
     """Ask libjpeg for DCT-scaled decoding when the target is at most half the source size."""
     if img.format != "JPEG":
         return
-    w, h = img.size
-    scale = max(geom.width / w, geom.height / h)
-    if scale <= 0.5:
+    request = draft_size(img.size, geom)
+    if request is not None:
         # draft picks the largest power-of-two reduction still >= the requested size
-        img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))
+        img.draft("RGB", request)

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image
 
+from ray_ingest import jpeg
 from ray_ingest.augment import (
     Geometry,
     bucket_shape,
@@ -151,17 +152,23 @@ class Decoder:
             return geom
         return self.square
 
-    def _image(self, data: bytes, ext: str, geom: Geometry, rng_seed: int) -> np.ndarray:
+    def _image(self, data: bytes, ext: str, geom: Geometry, rng_seed: int | None
+               ) -> np.ndarray:
         if ext not in IMAGE_EXTS:
             if ext in UNSAFE_EXTS and not self.cfg.allow_pickle:
                 raise UnsafeFormatError(
                     f".{ext} members execute code when loaded; set decode.allow_pickle: true to opt in"
                 )
             raise SampleError(f"unsupported image format .{ext}")
-        img = Image.open(io.BytesIO(data))  # raises DecompressionBombError beyond 2x the limit
-        _refuse_bomb(img.size, self.cfg.max_image_pixels)
-        draft_for(img, geom)
-        img.load()
+        img = None
+        if ext in ("jpg", "jpeg") and jpeg.usable():
+            # the same bytes as below, holding the GIL less (ray_ingest.jpeg)
+            img = jpeg.decode(data, geom, self.cfg.max_image_pixels)
+        if img is None:
+            img = Image.open(io.BytesIO(data))  # DecompressionBombError beyond 2x the limit
+            _refuse_bomb(img.size, self.cfg.max_image_pixels)
+            draft_for(img, geom)
+            img.load()
         return resize_crop(img, geom, rng_seed)
 
     def decode_row(self, row: dict[str, Any]) -> dict[str, Any]:
@@ -181,9 +188,11 @@ class Decoder:
             if data is None:
                 raise SampleError(f"{cfg.image_key}: missing member")
             geom = self.geometry(row.get(BUCKET) or "")
-            epoch = row.get(EPOCH)
-            seed = sample_seed(self.seed, self.epoch if epoch is None else epoch, row[SID],
-                               row[INDEX])
+            seed = None
+            if geom.crop == "random":  # a center crop draws nothing
+                epoch = row.get(EPOCH)
+                seed = sample_seed(self.seed, self.epoch if epoch is None else epoch, row[SID],
+                                   row[INDEX])
             out[cfg.image_key] = self._image(data, row[ext_column(cfg.image_key)], geom, seed)
         if cfg.caption_key is not None:
             data = row[cfg.caption_key]
