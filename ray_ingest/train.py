@@ -225,7 +225,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     with open(fail_marker, "w") as f:
                         f.write(str(global_step))
                     if config.get("fail_hard"):
-                        os._exit(17)  # the process dies at once, as on a node or OOM kill
+                        # Ray Train's controller registers a reported checkpoint when it next
+                        # polls the workers; give it that poll, then die at once, as on a node
+                        # or OOM kill (a fast pipeline reached the death before any was
+                        # registered, and the group restarted from scratch).
+                        time.sleep(2.0)
+                        os._exit(17)
                     raise RuntimeError(f"injected failure after step {global_step}")
             loader.clock.compute += time.perf_counter() - t_step
             if last:
