@@ -149,7 +149,8 @@ def bench_first_batch(args: argparse.Namespace) -> None:
 
         print(f"  {'start':8s} {'tars':9s} {'first batch (s)':>16s} {'vs fresh':>9s} "
               f"{'plan (ms)':>10s}   runs (s)")
-        print(f"  {'fresh':8s} {'index':9s} {fresh:16.2f} {1.0:8.2f}x {plan_ms('index', None):10.1f}"
+        print(f"  {'fresh':8s} {'index':9s} {fresh:16.2f} {1.0:8.2f}x "
+              f"{plan_ms('index', None):10.1f}"
               f"   {' '.join(f'{t:.2f}' for t in times[('fresh', 'index')])}")
         for v in variants:
             for f in OFFSETS:
@@ -174,7 +175,8 @@ def big_catalog(num_shards: int, seed: int = 0) -> Catalog:
     counts = np.random.default_rng(seed).integers(900, 1101, num_shards).tolist()
     root = "gs://bucket/dataset"
     shards = tuple(TarSample(path=f"part_{i // 1000:06d}/{i % 1000:06d}.tar", root=root,
-                             modalities=("image", "caption"), count=c) for i, c in enumerate(counts))
+                             modalities=("image", "caption"), count=c)
+                   for i, c in enumerate(counts))
     info = Wdinfo(source=f"{root}/wdinfo.json", tar_files=shards, total_key_count=sum(counts),
                   chunk_size=1000, data_keys=("image", "caption"))
     return Catalog(shards=shards, wdinfos=(info,), chunk_size=1000, modalities=("image", "caption"))

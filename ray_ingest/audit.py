@@ -83,8 +83,9 @@ def _derive_attempts(starts: dict[int, list[tuple[str, dict[str, Any]]]]) -> dic
         i = 0
         for where, rec in recs:
             key = (int(rec["resume_step"]), int(rec.get("world", 1)))
-            while i < len(ref) and not (int(ref[i].get("world", 1)) > rank and
-                                        (int(ref[i]["resume_step"]), int(ref[i].get("world", 1))) == key):
+            while i < len(ref) and not (
+                    int(ref[i].get("world", 1)) > rank
+                    and (int(ref[i]["resume_step"]), int(ref[i].get("world", 1))) == key):
                 i += 1
             if i == len(ref):
                 raise IngestError(
@@ -157,7 +158,8 @@ def audit(ledgers: dict[int, RankLedger], catalog: Catalog) -> list[dict[str, An
     reports = []
     for epoch in epochs:
         # Group batches by (slot, step): the ranks of a slot must agree; count each slot once.
-        by_slot: dict[int, dict[int, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+        by_slot: dict[int, dict[int, dict[int, dict[str, Any]]]] = defaultdict(
+            lambda: defaultdict(dict))
         for lg in ledgers.values():
             for b in lg.batches:
                 if b["epoch"] == epoch:
@@ -183,7 +185,8 @@ def audit(ledgers: dict[int, RankLedger], catalog: Catalog) -> list[dict[str, An
         for key in skipped:
             seen[key] += 1  # a recorded skip accounts for the sample
         duplicated = sum(n - 1 for n in seen.values() if n > 1)
-        unknown = sum(1 for sid, idx in seen if not (0 <= sid < len(counts) and 0 <= idx < counts[sid]))
+        unknown = sum(1 for sid, idx in seen
+                      if not (0 <= sid < len(counts) and 0 <= idx < counts[sid]))
         missing_list = [(sid, i) for sid, c in enumerate(counts) for i in range(c)
                         if (sid, i) not in seen]
         complete = any(epoch in lg.epoch_ends for lg in ledgers.values())

@@ -500,7 +500,8 @@ def parse_wdinfo(
         raise CatalogError(f"{url}: field 'data_list' is empty")
     for i, p in enumerate(data_list):
         if not isinstance(p, str) or not p:
-            raise CatalogError(f"{url}: field 'data_list[{i}]' must be a non-empty string, got {p!r}")
+            raise CatalogError(
+                f"{url}: field 'data_list[{i}]' must be a non-empty string, got {p!r}")
     total = _field(doc, "total_key_count", url, int)
     if total < 0:
         raise CatalogError(f"{url}: field 'total_key_count' must be >= 0, got {total}")
@@ -527,7 +528,8 @@ def parse_wdinfo(
     data_keys = doc.get("data_keys") or ()
     if not isinstance(data_keys, (list, tuple)):
         chunk_of(url, chunk, counts, total, len(data_list))
-        raise CatalogError(f"{url}: field 'data_keys' must be a list, got {type(data_keys).__name__}")
+        raise CatalogError(
+            f"{url}: field 'data_keys' must be a list, got {type(data_keys).__name__}")
     return _make_wdinfo(
         url, _strings(data_list),
         None if counts is None else np.array(counts, dtype=np.int64), total, chunk, root_field,
@@ -536,7 +538,8 @@ def parse_wdinfo(
 
 def chunk_of(url: str, chunk: int | None, counts: Sequence[int] | np.ndarray | None, total: int,
              n: int) -> int:
-    """``chunk_size`` in use: the field, else PiD's floored mean of the counts, else of the total."""
+    """``chunk_size`` in use: the field, else PiD's floored mean of the counts, else of the
+    total."""
     if chunk is None:
         chunk = int(int(np.sum(counts)) / n) if counts is not None else int(total / n)
     if chunk <= 0:

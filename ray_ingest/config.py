@@ -40,7 +40,8 @@ def _one_of(choices: tuple[str, ...]):
     def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value not in choices:
             raise ConfigError(
-                f"{_section(inst)}.{attribute.name}: expected one of {', '.join(choices)}, got {value!r}"
+                f"{_section(inst)}.{attribute.name}: expected one of {', '.join(choices)}, "
+                f"got {value!r}"
             )
 
     return check
@@ -49,7 +50,8 @@ def _one_of(choices: tuple[str, ...]):
 def _at_least(lo: float):
     def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo:
-            raise ConfigError(f"{_section(inst)}.{attribute.name}: expected a number >= {lo}, got {value!r}")
+            raise ConfigError(
+                f"{_section(inst)}.{attribute.name}: expected a number >= {lo}, got {value!r}")
 
     return check
 
@@ -170,7 +172,8 @@ class DecodeConfig:
     def __attrs_post_init__(self) -> None:
         if self.pool_max < self.pool_min:
             raise ConfigError(
-                f"decode.pool_max: expected >= decode.pool_min ({self.pool_min}), got {self.pool_max}"
+                f"decode.pool_max: expected >= decode.pool_min ({self.pool_min}), "
+                f"got {self.pool_max}"
             )
         for b in self.buckets:
             parts = b.replace("_", ":").split(":")
@@ -328,7 +331,8 @@ def _build(cls: type, doc: Any, section: str) -> Any:
     names = {a.name for a in attrs.fields(cls)}
     unknown = sorted(set(doc) - names)
     if unknown:
-        raise ConfigError(f"{section}.{unknown[0]}: unknown field (expected one of {', '.join(sorted(names))})")
+        raise ConfigError(f"{section}.{unknown[0]}: unknown field "
+                          f"(expected one of {', '.join(sorted(names))})")
     try:
         return cls(**doc)
     except TypeError as exc:
@@ -341,7 +345,8 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: expected a mapping at top level, got {type(doc).__name__}")
     unknown = sorted(set(doc) - set(SECTIONS))
     if unknown:
-        raise ConfigError(f"{source}: unknown section {unknown[0]!r} (expected {', '.join(SECTIONS)})")
+        raise ConfigError(
+            f"{source}: unknown section {unknown[0]!r} (expected {', '.join(SECTIONS)})")
     if "data" not in doc:
         raise ConfigError(f"{source}: missing section 'data'")
     parts = {name: _build(cls, doc.get(name), name) for name, cls in SECTIONS.items()}

@@ -157,7 +157,8 @@ class Decoder:
         if ext not in IMAGE_EXTS:
             if ext in UNSAFE_EXTS and not self.cfg.allow_pickle:
                 raise UnsafeFormatError(
-                    f".{ext} members execute code when loaded; set decode.allow_pickle: true to opt in"
+                    f".{ext} members execute code when loaded; "
+                    "set decode.allow_pickle: true to opt in"
                 )
             raise SampleError(f"unsupported image format .{ext}")
         img = None
@@ -241,7 +242,8 @@ class Decoder:
                     Image.DecompressionBombError, Image.DecompressionBombWarning,
                     UnicodeDecodeError) as exc:
                 reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-                reason = _ADDRESS.sub("", reason)  # "<_io.BytesIO object at 0x7f…>": same every run
+                # "<_io.BytesIO object at 0x7f…>": the same text every run
+                reason = _ADDRESS.sub("", reason)
                 where = (f"shard {row.get(SHARD)} key {row.get(KEY)} "
                          f"index {row.get(INDEX)}")
                 if self.on_error == "raise":

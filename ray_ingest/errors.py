@@ -28,7 +28,8 @@ class StateError(IngestError):
 
 
 class UnsafeFormatError(IngestError):
-    """A member uses a format that executes code on load (pickle, torch) and the user did not opt in."""
+    """A member uses a format that executes code on load (pickle, torch) and the user did not
+    opt in."""
 
 
 class SkipBudgetExceeded(IngestError):

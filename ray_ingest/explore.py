@@ -262,7 +262,8 @@ class Grid:
                 f"grid-template-columns:repeat({self.columns},{self.thumb}px)\">{cells}</div>")
 
     def __repr__(self) -> str:
-        return f"Grid({len(self.samples)} samples: {', '.join(self.keys[:8])}{', ...' if len(self) > 8 else ''})"
+        more = ", ..." if len(self) > 8 else ""
+        return f"Grid({len(self.samples)} samples: {', '.join(self.keys[:8])}{more})"
 
 
 class Stats(dict):
@@ -294,7 +295,8 @@ class Stats(dict):
             exts = ", ".join(f"{e}: {n}" for e, n in s["exts"].items())
             mrows.append(f"<tr><td>{html.escape(m)}</td><td>{s['present']}</td>"
                          f"<td>{s['absent']}</td><td>{_human(s['bytes'])}</td>"
-                         f"<td>{_human(int(s['mean_bytes']))}</td><td>{html.escape(exts)}</td></tr>")
+                         f"<td>{_human(int(s['mean_bytes']))}</td>"
+                         f"<td>{html.escape(exts)}</td></tr>")
         note = ""
         if self["scanned"] < self["samples"]:
             note = (f"<p>scanned {self['scanned']} of {self['samples']} samples "
@@ -573,7 +575,8 @@ class DatasetView:
         """Histogram of image aspect ratios (w/h, log scale) per bucket, with the bucket ratios
         marked. Returns a ``matplotlib.figure.Figure``."""
         p = self.profile(limit)
-        ratios = [None if w is None or not h else w / h for w, h in zip(p.widths, p.heights, strict=True)]
+        ratios = [None if w is None or not h else w / h
+                  for w, h in zip(p.widths, p.heights, strict=True)]
         groups = self._by_bucket(p, ratios)
         fig, ax = _figure()
         if groups:

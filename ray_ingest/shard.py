@@ -267,7 +267,8 @@ def shard_folders(
         raise ConfigError(f"shards_per_task: expected >= 1, got {shards_per_task}")
     if limit is not None and limit < 0:
         raise ConfigError(f"limit: expected >= 0, got {limit}")
-    if dataset_name is not None and (not dataset_name or "." in dataset_name or "/" in dataset_name):
+    if dataset_name is not None and (not dataset_name or "." in dataset_name
+                                     or "/" in dataset_name):
         raise ConfigError(f"dataset_name: expected a name without '.' or '/', got {dataset_name!r}")
 
     fs, root = fsspec.core.url_to_fs(input_dir, **so)

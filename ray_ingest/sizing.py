@@ -26,7 +26,8 @@ from typing import Any
 from ray_ingest.augment import bucket_shape, parse_bucket
 from ray_ingest.config import Config, DecodeConfig
 
-#: Ray Data 2.60: max_concurrency (1) × DEFAULT_ACTOR_MAX_TASKS_IN_FLIGHT_TO_MAX_CONCURRENCY_FACTOR.
+#: Ray Data 2.60: max_concurrency (1) ×
+#: DEFAULT_ACTOR_MAX_TASKS_IN_FLIGHT_TO_MAX_CONCURRENCY_FACTOR.
 TASKS_IN_FLIGHT_PER_ACTOR = 2
 
 

@@ -118,7 +118,8 @@ def sample_spec(
 
 
 def _rng(seed: int, index: int, what: str) -> np.random.Generator:
-    return np.random.default_rng([sample_seed(seed, index), int.from_bytes(what.encode(), "little")])
+    return np.random.default_rng([sample_seed(seed, index),
+                                  int.from_bytes(what.encode(), "little")])
 
 
 def make_image(spec: SampleSpec, seed: int, quality: int = JPEG_QUALITY) -> bytes:

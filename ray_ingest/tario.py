@@ -220,7 +220,8 @@ def iter_members(
             continue
         parsed = split_name(name)
         key, ext = parsed if parsed else (None, "")
-        over = max_member_bytes if max_member_bytes is not None and size > max_member_bytes else None
+        over = (max_member_bytes if max_member_bytes is not None and size > max_member_bytes
+                else None)
         if read_data and over is None:
             data = _read_exact(f, size, source, f"member {name!r}", pos)
             _skip(f, padded - size, False, source, f"member {name!r} padding", pos + size)
@@ -272,7 +273,8 @@ class TarIndex:
     @classmethod
     def from_dict(cls, doc: dict[str, Any], source: str = "<index>") -> TarIndex:
         if not isinstance(doc, dict) or doc.get("version") != INDEX_VERSION:
-            raise TarFormatError(f"{source}: unsupported key index (expected version {INDEX_VERSION})")
+            raise TarFormatError(
+                f"{source}: unsupported key index (expected version {INDEX_VERSION})")
         try:
             idx = cls(doc["names"], doc["offsets"], doc["sizes"], doc.get("tar_size", -1))
         except KeyError as exc:

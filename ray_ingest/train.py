@@ -42,7 +42,8 @@ STEP_LOG_PREFIX = "[train] step "
 
 def format_step_log(step: int, epoch: int, loss: float, samples_per_s: float, data_wait: float,
                     stages: dict[str, float]) -> str:
-    """The periodic log line: ``[train] step N epoch E loss L samples/s R data-wait W stages {json}``.
+    """The periodic log line:
+    ``[train] step N epoch E loss L samples/s R data-wait W stages {json}``.
 
     ``data_wait`` is the share of the last interval spent blocked on the loader; ``stages`` is
     :meth:`ray_ingest.stream.IngestLoader.stage_breakdown` since the loop started (fractions
@@ -155,7 +156,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if audit_dir:
         os.makedirs(audit_dir, exist_ok=True)
         ledger = os.path.join(audit_dir, f"rank_{rank:05d}.jsonl")
-        _ledger_append(ledger, {"event": "start", "attempt": _ledger_attempt(audit_dir, rank, device),
+        _ledger_append(ledger, {"event": "start",
+                                "attempt": _ledger_attempt(audit_dir, rank, device),
                                 "rank": rank, "world": world,
                                 "slot": topo.slot, "resume_step": global_step,
                                 "epoch": loader.state.epoch, "node": node_id})
@@ -283,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The job's command line (``python jobs/train.py --help``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML config (configs/demo.yaml)")
-    p.add_argument("--data", action="append", help="dataset path (overrides data.paths; repeatable)")
+    p.add_argument("--data", action="append",
+                   help="dataset path (overrides data.paths; repeatable)")
     p.add_argument("--num-workers", type=int, help="Ray Train workers (train.num_workers)")
     p.add_argument("--group-size", type=int, help="ranks per parallel group (train.group_size)")
     p.add_argument("--max-steps", type=int, help="stop after this many steps (train.max_steps)")

@@ -219,8 +219,10 @@ def _strict(
         keys = {m: (v.key if v is not None else None) for m, v in picked.items()}
         key = keys[driver]
         if key is None or any(k != key for k in keys.values()):
-            desc = ", ".join(f"{m}={k if k is not None else '<end of tar>'}" for m, k in keys.items())
-            raise AlignmentError(f"shard {shard}: modalities disagree at position {position}: {desc}")
+            desc = ", ".join(f"{m}={k if k is not None else '<end of tar>'}"
+                             for m, k in keys.items())
+            raise AlignmentError(
+                f"shard {shard}: modalities disagree at position {position}: {desc}")
         for m in pending:
             if pending[m] is None:
                 pending[m] = next(iters[m], None)

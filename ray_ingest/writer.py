@@ -67,7 +67,8 @@ def aspect_bucket(width: int, height: int,
     if width <= 0 or height <= 0:
         raise ConfigError(f"image size: expected positive width and height, got {width}x{height}")
     r = math.log(width / height)
-    best = min(range(len(ratios)), key=lambda i: (abs(r - math.log(ratios[i][0] / ratios[i][1])), i))
+    best = min(range(len(ratios)),
+               key=lambda i: (abs(r - math.log(ratios[i][0] / ratios[i][1])), i))
     w, h = ratios[best]
     return f"{w}_{h}"
 
@@ -288,9 +289,9 @@ class ShardWriter:
             member_names: Mapping[str, str] | None = None) -> None:
         """Append one sample; ``members`` maps every modality to ``(ext, payload)``.
 
-        ``member_names`` optionally gives a modality's member name (default ``<key>.<ext>``); a reader
-        must derive ``key`` and ``ext`` from it (``a.b.npy`` is key ``a-b``), so rewriting a
-        tar can keep its member names.
+        ``member_names`` optionally gives a modality's member name (default ``<key>.<ext>``);
+        a reader must derive ``key`` and ``ext`` from it (``a.b.npy`` is key ``a-b``), so
+        rewriting a tar can keep its member names.
         """
         if not self._streams:
             raise ConfigError(f"shard {self.path}: writer is not open")
@@ -309,7 +310,8 @@ class ShardWriter:
             ext, data = members[m]
             ext = ext.lstrip(".")
             if not ext or "/" in ext or "." in ext:
-                raise ConfigError(f"sample {key!r}: {m} extension must be a plain suffix, got {ext!r}")
+                raise ConfigError(
+                    f"sample {key!r}: {m} extension must be a plain suffix, got {ext!r}")
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise ConfigError(
                     f"sample {key!r}: {m} payload must be bytes, got {type(data).__name__}"

@@ -98,7 +98,8 @@ def test_counts_array_keeps_tuple_behaviour(tmp_path):
     counts = load_catalog(str(tmp_path)).counts
     assert counts == (5, 3, 4) and counts == [5, 3, 4] and counts != (5, 3)
     assert sum(counts) == 12 and type(sum(counts)) is int and type(counts[1]) is int
-    assert json.dumps({"n": sum(counts), "counts": list(counts)}) == '{"n": 12, "counts": [5, 3, 4]}'
+    assert (json.dumps({"n": sum(counts), "counts": list(counts)})
+            == '{"n": 12, "counts": [5, 3, 4]}')
     assert type(np.asarray(counts)) is np.ndarray and counts.dtype == np.int64
     assert (counts[1:] == np.array([3, 4])).all()
     with pytest.raises(ValueError):
@@ -107,7 +108,8 @@ def test_counts_array_keeps_tuple_behaviour(tmp_path):
 
 def test_pickle_ships_arrays_not_objects(tmp_path):
     n = 20_000
-    write_wdinfo(str(tmp_path / "ds"), [f"part_{i // 1000:06d}/{i % 1000:06d}.tar" for i in range(n)],
+    write_wdinfo(str(tmp_path / "ds"),
+                 [f"part_{i // 1000:06d}/{i % 1000:06d}.tar" for i in range(n)],
                  [i % 7 + 1 for i in range(n)], ["image", "caption"])
     cat = load_catalog(str(tmp_path / "ds"))
     data = pickle.dumps(cat, protocol=5)

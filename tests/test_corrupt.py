@@ -3,7 +3,8 @@
 A synthetic dataset is copied into ``tmp_path`` and damaged one shard per kind of bad input:
 corrupt JPEG, truncated JPEG, truncated tar, missing twin tar, misaligned keys (strict mode),
 unreadable member (bad header checksum), oversized member (``decode.max_member_bytes``, caught
-from the tar header by the read task: the payload is never read) and decompression bombs (``decode.max_image_pixels``, Pillow's warning and error levels).
+from the tar header by the read task: the payload is never read) and decompression bombs
+(``decode.max_image_pixels``, Pillow's warning and error levels).
 
 - ``raise``: every kind fails with one line naming the shard, the index/key and the reason —
   checked for every kind on the read task + decoder directly, and through ``IngestLoader`` on
@@ -64,7 +65,8 @@ def members(path: Path) -> list[tuple[str, bytes]]:
         return [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
 
 
-def replace_member(path: Path, pos: int, data: bytes | None = None, name: str | None = None) -> None:
+def replace_member(path: Path, pos: int, data: bytes | None = None,
+                   name: str | None = None) -> None:
     """Rewrite the tar at ``path`` with member ``pos`` given new bytes and/or a new name."""
     ms = members(path)
     old_name, old_data = ms[pos]
@@ -362,7 +364,8 @@ def test_shard_budget_names_the_shard(damaged):
     text = str(info.value)
     # only the missing-twin shard (6 skips) has more than 3 bad samples
     assert re.fullmatch(rf"shard {re.escape(rel(3))}: 4 samples skipped, over "
-                        r"loader.max_skips_per_shard \(3\); last: read: IngestError: .*", text), text
+                        r"loader.max_skips_per_shard \(3\); last: read: IngestError: .*",
+                        text), text
 
 
 def test_epoch_budget_names_the_epoch(damaged):

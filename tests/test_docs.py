@@ -91,7 +91,8 @@ def test_every_config_field_is_documented_with_its_default(section):
     assert not stale, f"{section}: documented fields that no longer exist: {stale}"
     for name, f in fields.items():
         cells = rows[name]
-        assert len(cells) == 4 and cells[3], f"{section}.{name}: expected | name | type | default | meaning |"
+        assert len(cells) == 4 and cells[3], \
+            f"{section}.{name}: expected | name | type | default | meaning |"
         if f.default is attrs.NOTHING:
             assert cells[2] == "required", f"{section}.{name}: default should be 'required'"
             continue

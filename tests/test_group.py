@@ -27,7 +27,14 @@ from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
 from ray_ingest.stream import IngestLoader
 from tests.group_ranks import ThreadChannel, run_ranks
-from tests.test_stream_goldens import GOLDEN, _cfg, _record, bucketed, corrupt, plain  # noqa: F401 - fixtures
+from tests.test_stream_goldens import (  # noqa: F401 - fixtures
+    GOLDEN,
+    _cfg,
+    _record,
+    bucketed,
+    corrupt,
+    plain,
+)
 
 GOLDENS = json.loads(GOLDEN.read_text())
 

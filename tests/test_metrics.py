@@ -49,7 +49,8 @@ def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 def total(series, name: str, **labels: str) -> float | None:
     """Sum over the series of ``name`` whose labels include ``labels`` (one per process)."""
-    values = [v for lab, v in series.get(name, []) if all(lab.get(k) == x for k, x in labels.items())]
+    values = [v for lab, v in series.get(name, [])
+              if all(lab.get(k) == x for k, x in labels.items())]
     return sum(values) if values else None
 
 

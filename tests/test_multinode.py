@@ -404,7 +404,8 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
         "data": {"paths": [data]},
         "decode": {"resolution": res, "pool_min": 1, "pool_max": 2, "num_cpus": 2.5,
                    "label_selector": {"pool": "cpu-decode"}},
-        "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1, "read_num_cpus": 0.25,
+        "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1,
+                   "read_num_cpus": 0.25,
                    "block_rows": block_rows, "max_block_bytes": 64 * MB,
                    "prefetch_batches": 2, "seed": 1},
     })

@@ -1,4 +1,5 @@
-"""Shard assignment: PiD golden cases (pid_semantics §12), the §6 grid, epoch-mode pins, invariants."""
+"""Shard assignment: PiD golden cases (pid_semantics §12), the §6 grid, epoch-mode pins,
+invariants."""
 
 from __future__ import annotations
 

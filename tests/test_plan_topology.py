@@ -26,7 +26,8 @@ def test_topology_derived_fields():
     ("kwargs", "message"),
     [
         ({"world_size": 0}, r"Topology.world_size: expected >= 1, got 0"),
-        ({"world_size": 4, "rank": 4}, r"Topology.rank: expected 0 <= rank < world_size \(4\), got 4"),
+        ({"world_size": 4, "rank": 4},
+         r"Topology.rank: expected 0 <= rank < world_size \(4\), got 4"),
         ({"world_size": 4, "rank": -1}, r"Topology.rank: .* got -1"),
         ({"world_size": 4, "num_workers": 0}, r"Topology.num_workers: expected >= 1, got 0"),
         ({"world_size": 4, "num_workers": 2, "worker_id": 2},

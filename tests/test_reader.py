@@ -101,7 +101,8 @@ def test_broken_index_falls_back_to_streaming(tmp_path):
 
 def test_index_mode_reads_parquet_key_list(tmp_path):
     write_twin(tmp_path, {SHARD: {"image": KEYS, "caption": KEYS},
-                          "part_000000/000001.tar": {"image": ["q1", "q2"], "caption": ["q1", "q2"]}})
+                          "part_000000/000001.tar": {"image": ["q1", "q2"],
+                                                     "caption": ["q1", "q2"]}})
     index = tmp_path / "keys.parquet"
     pq.write_table(pa.table({
         "sample": ["id03.jpg", "id01.jpg", "nope.jpg", "q2.jpg", "id05"],

@@ -394,7 +394,8 @@ def test_gs_direct_reads_match(gcs_server, gcs_tars, remote_figures) -> None:
 )
 def test_gs_reads_through_faults_match(fault_proxy, gcs_tars, remote_figures, kind, kinds,
                                        rate) -> None:
-    fault_proxy.configure(rate=rate, kinds=kinds, seed=int(hashlib.sha256(kind.encode()).hexdigest()[:8], 16))
+    fault_proxy.configure(rate=rate, kinds=kinds,
+                          seed=int(hashlib.sha256(kind.encode()).hexdigest()[:8], 16))
     t0, before = time.monotonic(), remote_stats()
     totals = collections.Counter()
     for url, data, members in gcs_tars:

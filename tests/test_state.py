@@ -275,7 +275,8 @@ def test_slot_stream_matches_the_plan():
     params = PARAMS["epoch-repeat"]
     s = state_for(params, topo(6, 2, 2), epoch=2)
     for slot in range(3):
-        assert slot_stream(s, COUNTS, CHUNK, slot) == plan_slot(COUNTS, CHUNK, slot, 3, 2, params, 2)
+        assert (slot_stream(s, COUNTS, CHUNK, slot)
+                == plan_slot(COUNTS, CHUNK, slot, 3, 2, params, 2))
     assert generation_streams(s, COUNTS, CHUNK) == plan_epoch(COUNTS, CHUNK, 3, 2, params, 2)
     s = with_progress(s, 1, ((0, 10),), 2)
     s2 = with_topology(s, topo(2, 1))

@@ -122,7 +122,8 @@ def test_start_offset_keeps_offsets_absolute():
 
 def test_truncated_payload_names_member_and_offset():
     data = tar_bytes([("a.jpg", b"1" * 100), ("b.jpg", b"2" * 3000)])
-    with pytest.raises(TarFormatError, match=r"t\.tar: truncated tar: member 'b\.jpg' at byte 1536"):
+    with pytest.raises(TarFormatError,
+                       match=r"t\.tar: truncated tar: member 'b\.jpg' at byte 1536"):
         list(iter_members(io.BytesIO(data[:2000]), "t.tar"))
 
 

@@ -131,7 +131,8 @@ def test_an_items_error_surfaces_in_stream_order(tmp_path):
             seen += block[SEQ].tolist()
     # every row planned before the broken item's came first (the later items were decoded,
     # but not handed out past the error)
-    bad = next(i for i, it in enumerate(items) if it.sid == 1 and it.start <= 2 < it.start + it.count)
+    bad = next(i for i, it in enumerate(items)
+               if it.sid == 1 and it.start <= 2 < it.start + it.count)
     assert len(seen) == sum(it.count for it in items[:bad])
     ex.close()
 
@@ -190,7 +191,8 @@ def test_a_stuck_read_raises_a_stall_error_naming_the_item(setup, monkeypatch):
     ex = ThreadedExecution(cfg, catalog, items, threads=2)
     first = items[0]
     with pytest.raises(StallError, match=rf"stall_timeout_s \(1 s\) of waiting: reading or "
-                       rf"decoding \S+ rows {first.start}..{first.start + first.count - 1} is stuck"):
+                       rf"decoding \S+ rows {first.start}..{first.start + first.count - 1} "
+                       r"is stuck"):
         list(ex.blocks())
     release.set()
     ex.close()

@@ -34,7 +34,8 @@ def command(ledger_dir: str, data: tuple[str, ...], modalities: str | None,
     bad = False
     epochs = sorted({b["epoch"] for lg in ledgers.values() for b in lg.batches}
                     | {e for lg in ledgers.values() for e in lg.epoch_ends})
-    bar = tqdm(epochs, desc="audit", unit="epoch", disable=None if progress is None else not progress)
+    bar = tqdm(epochs, desc="audit", unit="epoch",
+               disable=None if progress is None else not progress)
     for epoch in bar:  # epochs are audited independently: one at a time, reported as they finish
         view = {r: attrs.evolve(lg, batches=[b for b in lg.batches if b["epoch"] == epoch],
                                 epoch_ends={e: s for e, s in lg.epoch_ends.items() if e == epoch})

@@ -1,4 +1,5 @@
-"""`ray-ingest bench`: a multi-epoch job's decoded samples/s vs DataLoader, read_webdataset, ceiling."""
+"""`ray-ingest bench`: a multi-epoch job's decoded samples/s vs DataLoader, read_webdataset,
+ceiling."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``ray-ingest index``: key indexes and per-shard counts (:func:`ray_ingest.keyindex.index_dataset`)."""
+"""``ray-ingest index``: key indexes and per-shard counts
+(:func:`ray_ingest.keyindex.index_dataset`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``ray-ingest shard``: raw modality folders -> twin tars + wdinfo.json (:mod:`ray_ingest.shard`)."""
+"""``ray-ingest shard``: raw modality folders -> twin tars + wdinfo.json
+(:mod:`ray_ingest.shard`)."""
 
 from __future__ import annotations
 

@@ -161,11 +161,13 @@ class ReadState:
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> ReadState:
-        """Parse and validate a saved state; errors name the field (``generations[1].consumed[0]``)."""
+        """Parse and validate a saved state; errors name the field
+        (``generations[1].consumed[0]``)."""
         if not isinstance(doc, Mapping):
             raise StateError(f"read state: expected a mapping, got {type(doc).__name__}")
         if doc.get("kind") != STATE_KIND:
-            raise StateError(f"read state field 'kind': expected {STATE_KIND!r}, got {doc.get('kind')!r}")
+            raise StateError(f"read state field 'kind': expected {STATE_KIND!r}, "
+                             f"got {doc.get('kind')!r}")
         if doc.get("version") != STATE_VERSION:
             raise StateError(
                 f"read state field 'version': expected {STATE_VERSION}, got {doc.get('version')!r}")
@@ -178,7 +180,8 @@ class ReadState:
         if unknown:
             raise StateError(f"read state field 'plan.{unknown[0]}': unknown (expected one of "
                              f"{', '.join(PLAN_FIELDS)})")
-        plan = {name: (_int(plan, name, "plan.", 0) if kind is int else _field(plan, name, "plan.", bool))
+        plan = {name: (_int(plan, name, "plan.", 0) if kind is int
+                       else _field(plan, name, "plan.", bool))
                 for name, kind in PLAN_FIELDS.items()}
         raw_gens = _field(doc, "generations", "", list)
         if not raw_gens:
@@ -212,7 +215,8 @@ class ReadState:
                 f"read state field 'fingerprint': saved {self.fingerprint}, this dataset is "
                 f"{fingerprint} (the data changed{': ' + what if what else ''})")
         mine = params_dict(params)
-        for field, value in (("seed", self.seed), ("seed_mode", self.seed_mode), *self.plan.items()):
+        for field, value in (("seed", self.seed), ("seed_mode", self.seed_mode),
+                             *self.plan.items()):
             # start_index is a starting point (PiD's WDS_START_INDEX), not a property of the
             # run: the saved position supersedes whatever this run would have started from.
             if field != "start_index" and mine[field] != value:
