@@ -8,8 +8,9 @@ Three parts, every measurement in a fresh process, medians of ``--repeats`` runs
    ``--shards`` (1,000,000) and ``--big-shards`` (10,000,000). Prints wall time, RSS
    high-water growth over the imports, and for the first size the fingerprint time and the
    pickle (``ray.put``) size and times. Goals: 1M < 1 s and < 300 MB; 10M < 10 s.
-2. **Parse**: what ``json.loads`` plus building the arrays costs against pyarrow's JSON reader
-   (the catalog's fast path) on the same file.
+2. **Parse**: the catalog's vectorized reader (``wdinfo_scan``, taken for plainly written
+   files) against pyarrow's JSON reader (its fallback) and ``json.loads`` plus building the
+   arrays, on the same file.
 3. **``ray-ingest plan``** on the 1M-shard wdinfo as a subprocess: wall time including the
    interpreter's start-up (goal < 2 s), with the exact command.
 4. **Planning only** (counts in memory), against PiD's literal list construction run in the
@@ -119,7 +120,7 @@ def case_load(args: argparse.Namespace, n: int, extras: bool) -> dict:
 
 
 def case_parse(args: argparse.Namespace, n: int) -> dict:
-    """json.loads + arrays vs pyarrow's JSON reader, on the same bytes."""
+    """json.loads + arrays vs pyarrow's JSON reader vs wdinfo_scan, on the same bytes."""
     import pyarrow as pa
 
     from ray_ingest import catalog as catalog_mod
@@ -141,6 +142,12 @@ def case_parse(args: argparse.Namespace, n: int) -> dict:
     t0 = time.perf_counter()
     w = catalog_mod._fast_parse(raw, path, None, "dset: 0", "wdinfo")
     out["arrow_s"] = time.perf_counter() - t0
+    assert w is not None and len(w) == n and isinstance(w.paths, pa.Array)
+    del w
+    gc.collect()
+    t0 = time.perf_counter()
+    w = catalog_mod._scan_parse(raw, path, None, "dset: 0", "wdinfo")
+    out["scan_s"] = time.perf_counter() - t0
     assert w is not None and len(w) == n and isinstance(w.paths, pa.Array)
     return out
 
@@ -271,12 +278,13 @@ def main() -> None:
               f"{first['pickle_mib']:.1f} MiB, dumps {first['pickle_s']:.3f} s, loads "
               f"{first['unpickle_s']:.3f} s (one run)")
 
-    print("\n2. parsing the wdinfo: json.loads + arrays vs pyarrow's JSON reader (one run)")
+    print("\n2. parsing the wdinfo: json.loads + arrays, pyarrow's JSON reader, wdinfo_scan "
+          "(one run)")
     for n in sizes:
         r = _child(args, f"parse:{n}")
         print(f"  {n:>11,} shards: json.loads {r['json_loads_s']:.3f} s + arrays "
               f"{r['json_arrays_s']:.3f} s = {r['json_loads_s'] + r['json_arrays_s']:.3f} s; "
-              f"pyarrow.json {r['arrow_s']:.3f} s")
+              f"pyarrow.json {r['arrow_s']:.3f} s; wdinfo_scan (ours) {r['scan_s']:.3f} s")
 
     print(f"\n3. ray-ingest plan on the {args.shards:,}-shard wdinfo (subprocess, wall incl. "
           "start-up)")

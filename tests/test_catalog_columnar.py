@@ -149,18 +149,21 @@ BAD_DOCS = [
 ]
 
 
+@pytest.mark.parametrize("parser", ["_scan_parse", "_fast_parse"])
 @pytest.mark.parametrize("name", sorted(GOOD_DOCS))
-def test_fast_parse_equals_the_json_path(tmp_path, monkeypatch, name):
+def test_fast_parse_equals_the_json_path(tmp_path, monkeypatch, name, parser):
     wd = write_json(tmp_path / "aspect_ratio_4_3" / "wdinfo.json", GOOD_DOCS[name])
     slow = read_wdinfo(str(wd))
     monkeypatch.setattr(catalog_mod, "FAST_PARSE_BYTES", 0)
     results = []
-    real = catalog_mod._fast_parse
-    monkeypatch.setattr(catalog_mod, "_fast_parse",
-                        lambda *a: results.append(real(*a)) or results[-1])
+    real = getattr(catalog_mod, parser)
+    monkeypatch.setattr(catalog_mod, parser, lambda *a: results.append(real(*a)) or results[-1])
+    other = {"_scan_parse": "_fast_parse", "_fast_parse": "_scan_parse"}[parser]
+    monkeypatch.setattr(catalog_mod, other, lambda *a: None)  # each fast parser on its own
     fast = read_wdinfo(str(wd))
     # pyarrow cannot type the mixed list of "extra": that one falls back to json
-    assert len(results) == 1 and (results[0] is None) == (name == "seed")
+    assert len(results) == 1
+    assert (results[0] is None) == (parser == "_fast_parse" and name == "seed")
     for field in ("chunk_size", "total_key_count", "data_keys", "root", "wdinfo_root",
                   "modalities", "bucket", "count_source"):
         assert getattr(fast, field) == getattr(slow, field), field
