@@ -623,10 +623,8 @@ def _fast_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id:
         return arr[0].as_py() if kind(arr.type) and not arr.null_count else _BAD
 
     paths = strings(row["data_list"])
-    if paths is None or len(paths) == 0 or np.diff(_offsets(paths)).min() == 0:
-        return None
     total = scalar("total_key_count", pa.types.is_int64)
-    if total is None or total is _BAD or total < 0:
+    if paths is None or total is None or total is _BAD:
         return None
     counts = None
     if "data_list_key_count" in row:
@@ -634,12 +632,10 @@ def _fast_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id:
         if not pa.types.is_list(arr.type) or arr.null_count:
             return None
         values = arr.flatten()
-        if not pa.types.is_int64(values.type) or values.null_count or len(values) != len(paths):
+        if not pa.types.is_int64(values.type) or values.null_count:
             return None
         counts = np.frombuffer(values.buffers()[1], dtype=np.int64)[
             values.offset:values.offset + len(values)]  # to_numpy() would import pandas
-        if counts.min() < 0:
-            return None
     chunk = scalar("chunk_size", pa.types.is_int64)
     root_field = scalar("root", pa.types.is_string)
     if chunk is _BAD or root_field is _BAD:
@@ -650,15 +646,30 @@ def _fast_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id:
         if dk is None:
             return None
         data_keys = tuple(dk.to_pylist())
-    if chunk is not None and chunk <= 0:
-        return None
-    if chunk is None and int(counts.sum() if counts is not None else total) < len(paths):
-        return None  # chunk_size would be 0: the json path raises the error
-    return _make_wdinfo(url, paths, counts, total, chunk, root_field, data_keys, modalities,
-                        dset_id, root_mode)
+    return _plain_wdinfo(url, paths, counts, total, chunk, root_field, data_keys, modalities,
+                         dset_id, root_mode)
 
 
 _BAD = object()
+
+
+def _plain_wdinfo(url: str, paths: pa.Array, counts: np.ndarray | None, total: int,
+                  chunk: int | None, root_field: str | None, data_keys: tuple[str, ...],
+                  modalities: Sequence[str] | None, dset_id: str,
+                  root_mode: str) -> Wdinfo | None:
+    """The wdinfo from fields a fast parser has typed; None where a value is wrong (the json
+    path then names it)."""
+    n = len(paths)
+    if n == 0 or np.diff(_offsets(paths)).min() == 0 or total < 0:
+        return None
+    if counts is not None and (len(counts) != n or counts.min() < 0):
+        return None
+    if chunk is not None and chunk <= 0:
+        return None
+    if chunk is None and int(counts.sum() if counts is not None else total) < n:
+        return None  # chunk_size would be 0
+    return _make_wdinfo(url, paths, counts, total, chunk, root_field, data_keys, modalities,
+                        dset_id, root_mode)
 
 
 def _scan_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id: str,
@@ -668,12 +679,9 @@ def _scan_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id:
     scanned = scan_wdinfo(raw)
     if scanned is None:
         return None
-    rest, offsets, counts = scanned.rest, scanned.offsets, scanned.counts
-    n = len(offsets) - 1
-    if np.diff(offsets).min() == 0:
-        return None  # an empty path: the json path names it
+    rest = scanned.rest
     total, chunk, root_field = (rest.get(k) for k in ("total_key_count", "chunk_size", "root"))
-    if not _is_int(total) or total < 0 or (chunk is not None and not _is_int(chunk)):
+    if not _is_int(total) or (chunk is not None and not _is_int(chunk)):
         return None
     if root_field is not None and not isinstance(root_field, str):
         return None
@@ -681,14 +689,9 @@ def _scan_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id:
     if data_keys is not None and not (isinstance(data_keys, list)
                                       and all(isinstance(k, str) for k in data_keys)):
         return None
-    if counts is not None and (len(counts) != n or (n and counts.min() < 0)):
-        return None
-    if chunk is not None and chunk <= 0:
-        return None
-    if chunk is None and int(counts.sum() if counts is not None else total) < n:
-        return None  # chunk_size would be 0: the json path raises the error
-    return _make_wdinfo(url, _string_array(offsets, scanned.data), counts, total, chunk,
-                        root_field, tuple(data_keys or ()), modalities, dset_id, root_mode)
+    return _plain_wdinfo(url, _string_array(scanned.offsets, scanned.data), scanned.counts,
+                         total, chunk, root_field, tuple(data_keys or ()), modalities, dset_id,
+                         root_mode)
 
 
 def _is_int(value: Any) -> bool:

@@ -55,12 +55,12 @@ def scan_wdinfo(raw: bytes) -> Scanned | None:
     paths, counts = spans["data_list"], spans["data_list_key_count"]
     if paths is None:
         return None
-    strings = _strings(raw, view, quotes, *paths)
+    strings = _string_body(raw, view, quotes, *paths)
     if strings is None:
         return None
     count_values = None
     if counts is not None:
-        count_values = _ints(raw, *counts)
+        count_values = _int_body(raw, *counts)
         if count_values is None:
             return None
     skeleton = bytearray()
@@ -152,7 +152,7 @@ def _skip_ws(raw: bytes, at: int) -> int:
     return at
 
 
-def _strings(raw: bytes, view: np.ndarray, quotes: np.ndarray, start: int,
+def _string_body(raw: bytes, view: np.ndarray, quotes: np.ndarray, start: int,
              end: int) -> tuple[np.ndarray, bytes] | None:
     """(offsets, data) of the strings between ``[`` at ``start`` and ``]`` at ``end``."""
     q = quotes[np.searchsorted(quotes, start):np.searchsorted(quotes, end)]
@@ -211,7 +211,7 @@ def _any_string_is(view: np.ndarray, opens: np.ndarray, lengths: np.ndarray,
     return True
 
 
-def _ints(raw: bytes, start: int, end: int) -> np.ndarray | None:
+def _int_body(raw: bytes, start: int, end: int) -> np.ndarray | None:
     """The integers between ``[`` at ``start`` and ``]`` at ``end``; None unless the body is
     JSON integers (no sign, no leading zero, at most 18 digits) split by single commas."""
     body = raw[start + 1:end]
