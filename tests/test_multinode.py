@@ -39,6 +39,7 @@ pytestmark = pytest.mark.multinode
 FIGURES: dict[str, dict] = {}
 TRAIN_NODES, DECODE_CPUS = 3, 4
 DRAIN_DEADLINE_S = 3.0  # notice a preempted decode node gets before it stops (GCP: 30 s)
+TRAIN_STEP_S = 0.08  # 72 batches after the drain take >= 5.8 s: the deadline passes mid-epoch
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +297,11 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
             log.append((now, loader.clock.samples, dict(loader.decode_nodes)))
             for ev in events.values():
                 ev.setdefault("next_batch_s", now - ev["t"])
+            if drained is not None and "kill" not in events:
+                # a training step's compute between the drain and the kill: without it, a fast
+                # decode finished the 90 batches before the drain deadline had passed (a fresh
+                # clone on 2026-12-04 drained at batch 12 and was still at batch 86 then)
+                time.sleep(TRAIN_STEP_S)
             if step == 4:  # a decode node joins
                 events["join"] = {"t": time.monotonic(), "actors_before": len(loader.actors_seen),
                                   "nodes_before": len(loader.decode_nodes)}
