@@ -1,11 +1,12 @@
 """ray_ingest: twin-tar WebDataset ingest on Ray.
 
-Pure layers (no Ray, no torch): :mod:`ray_ingest.catalog`, :mod:`ray_ingest.tario`,
-:mod:`ray_ingest.twin`, :mod:`ray_ingest.plan`, and the loader's stages. Ray lives in
-:mod:`ray_ingest.datasource`, :mod:`ray_ingest.pipeline` (the loader's Ray edge, opened by
-:mod:`ray_ingest.executions`), :mod:`ray_ingest.train` and :mod:`ray_ingest.dataset`.
+Pure layers (no Ray, no torch): :mod:`ray_ingest.catalog`, :mod:`ray_ingest.twintar.tario`,
+:mod:`ray_ingest.twintar.twin`, :mod:`ray_ingest.plan`, and the loader's stages. Ray lives in
+:mod:`ray_ingest.execution.datasource`, :mod:`ray_ingest.execution.raydata` (the loader's Ray edge,
+opened by
+:mod:`ray_ingest.execution.opener`), :mod:`ray_ingest.train` and :mod:`ray_ingest.datasets`.
 
-``read_twin_tars`` and ``write_twin_tars`` (:mod:`ray_ingest.dataset`) are importable from
+``read_twin_tars`` and ``write_twin_tars`` (:mod:`ray_ingest.datasets`) are importable from
 here; they load Ray on first use, so ``import ray_ingest`` stays cheap.
 """
 
@@ -16,7 +17,8 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = ["read_twin_tars", "write_twin_tars"]
 
-_LAZY = {"read_twin_tars": "ray_ingest.dataset", "write_twin_tars": "ray_ingest.dataset"}
+_LAZY = {"read_twin_tars": "ray_ingest.datasets.read",
+         "write_twin_tars": "ray_ingest.datasets.write"}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,13 +19,22 @@ import attrs
 import numpy as np
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.errors import ConfigError, IngestError
-from ray_ingest.reader import read_shard
-from ray_ingest.summary import iter_records
-from ray_ingest.synth import make_caption, make_sample, sample_spec, synth_dataset
-from ray_ingest.tario import TarIndex, index_url, iter_members
-from ray_ingest.writer import aspect_bucket
+from ray_ingest.tools.summary import iter_records
+from ray_ingest.tools.synth import (
+    make_caption,
+    make_sample,
+    sample_spec,
+    synth_dataset,
+)
+from ray_ingest.twintar.layout import aspect_bucket
+from ray_ingest.twintar.reader import read_shard
+from ray_ingest.twintar.tario import (
+    TarIndex,
+    index_url,
+    iter_members,
+)
 from tests.fixtures_gcs import upload_tree
 
 pytestmark = pytest.mark.ray
@@ -106,8 +115,13 @@ def test_read_tasks_slice_or_group_shards(buckets):
     """override_num_blocks: slices of shards above the shard count, runs of shards below."""
     import attrs
 
-    from ray_ingest.dataset import TwinTarsDatasource, _read_units, _schema, _Unit
-    from ray_ingest.reader import ReadOptions
+    from ray_ingest.datasets.read import (
+        TwinTarsDatasource,
+        _read_units,
+        _schema,
+        _Unit,
+    )
+    from ray_ingest.twintar.reader import ReadOptions
 
     shards = load_catalog(str(buckets)).shards
     units = [_Unit(s, i, "", count=s.count) for i, s in enumerate(shards)]
@@ -296,7 +310,7 @@ def test_killed_writer_leaves_no_tar_under_a_final_name(tmp_path):
     leaf = tmp_path / "ds"
     code = f"""
 import os, signal
-from ray_ingest.writer import write_shard
+from ray_ingest.twintar.writer import write_shard
 
 def samples():
     for i in range(6):
@@ -314,7 +328,7 @@ write_shard({str(leaf)!r}, "part_000000/000000.tar", ["image", "caption"], sampl
     assert files == ["caption/part_000000/000000.tar.partial",
                      "image/part_000000/000000.tar.partial"]
     assert (leaf / "image/part_000000/000000.tar.partial").stat().st_size >= 3 * 5000
-    from ray_ingest.writer import write_shard
+    from ray_ingest.twintar.writer import write_shard
 
     write_shard(str(leaf), "part_000000/000000.tar", ["image", "caption"],
                 [(f"k{i}", {"image": ("jpg", b"x" * 5000), "caption": ("txt", b"c")})
