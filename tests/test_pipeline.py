@@ -79,7 +79,7 @@ def test_decode_compute_is_auto_actors_tasks_or_threads(dataset):
 def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
     import ray
 
-    from ray_ingest.execution.datasource import TwinTarDatasource
+    from ray_ingest.execution.raydata import ReadUnit, TwinTarDatasource
 
     cfg = _cfg(dataset)
     catalog = load_catalog([dataset])
@@ -90,7 +90,8 @@ def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
     assert len(items) >= 3
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    source = TwinTarDatasource(catalog.shards, items, ReadOptions(), block_rows=5)
+    source = TwinTarDatasource([[ReadUnit(catalog.shard(it.sid), it)] for it in items],
+                               ReadOptions(), block_rows=5)
     rows = ray.data.read_datasource(source, num_cpus=0.25).take_all()
     assert [r["__seq__"] for r in rows] == list(range(sum(it.count for it in items)))
     # the same slices read directly (what `cat` prints, restricted to the plan)

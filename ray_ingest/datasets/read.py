@@ -10,23 +10,21 @@ import logging
 import math
 import posixpath
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 import pyarrow as pa
 import ray
-from ray.data.block import BlockMetadata
-from ray.data.datasource import Datasource, ReadTask
 
 from ray_ingest.catalog.discovery import discover
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.catalog.shard import TarSample
 from ray_ingest.config import DecodeConfig
 from ray_ingest.errors import ConfigError
-from ray_ingest.execution.raydata import decode_udf
-from ray_ingest.execution.read import DEFAULT_SAMPLE_BYTES, ReadItem, read_item
+from ray_ingest.execution.raydata import ReadUnit, TwinTarDatasource, decode_udf
+from ray_ingest.execution.read import TO_END, ReadItem
 from ray_ingest.twintar.fsio import url_dirname
 from ray_ingest.twintar.reader import ReadOptions
 from ray_ingest.twintar.twin import INDEX, KEY, SHARD, ext_column
@@ -44,8 +42,6 @@ _SID = "__sid__"
 #: Row columns the write path adds (output leaf, output shard path, position in it).
 _OUT_LEAF, _OUT_PATH, _OUT_POS = "__out_leaf__", "__out_path__", "__out_pos__"
 _SIZE = "__size__"
-#: "Read the whole shard" for shards whose wdinfo has no per-shard counts.
-_ALL = 2**62
 
 
 def _modalities(modalities: Sequence[str] | str | None, keys: Sequence[str] | str | None,
@@ -71,17 +67,6 @@ def _modalities(modalities: Sequence[str] | str | None, keys: Sequence[str] | st
 # =========================================================================== reading
 
 
-@attrs.frozen
-class _Unit:
-    """A slice of one shard: ``count`` samples from ``start`` (count None: to the end)."""
-
-    shard: TarSample
-    sid: int
-    leaf: str
-    start: int = 0
-    count: int | None = None
-
-
 def _schema(modalities: Sequence[str], with_sid: bool) -> pa.Schema:
     fields = [pa.field(KEY, pa.string()), pa.field(SHARD, pa.string()),
               pa.field(INDEX, pa.int64()), pa.field(LEAF, pa.string()),
@@ -93,86 +78,27 @@ def _schema(modalities: Sequence[str], with_sid: bool) -> pa.Schema:
     return pa.schema(fields)
 
 
-def _read_units(units: Sequence[_Unit], opts: ReadOptions, block_rows: int,
-                schema: pa.Schema) -> Iterator[pa.Table]:
-    """Generator behind one ReadTask: the loader's read path, its internal columns dropped."""
-    for u in units:
-        item = ReadItem(seq=0, sid=u.sid, start=u.start, count=_ALL if u.count is None else u.count)
-        for table in read_item(u.shard, item, opts, block_rows, on_error="raise"):
-            n = table.num_rows
-            cols = {}
-            for f in schema:
-                if f.name == LEAF:
-                    cols[LEAF] = pa.array([u.leaf] * n, pa.string())
-                else:
-                    cols[f.name] = table.column(f.name).cast(f.type)
-            yield pa.table(cols, schema=schema)
+def _unit(shard: TarSample, sid: int, leaf: str, count: int | None) -> ReadUnit:
+    """A whole shard (``count`` None: read to its end, the wdinfo has no per-shard counts)."""
+    item = ReadItem(seq=0, sid=sid, start=0, count=TO_END if count is None else count)
+    return ReadUnit(shard, item, constants=((LEAF, leaf),))
 
 
-class TwinTarsDatasource(Datasource):
-    """One ReadTask per shard, per shard slice (``override_num_blocks`` above the shard count)
-    or per run of whole shards (below it). No plan, no epochs: the catalog in order."""
-
-    def __init__(self, units: Sequence[_Unit], modalities: Sequence[str], opts: ReadOptions,
-                 block_rows: int = 64, num_blocks: int | None = None, with_sid: bool = False):
-        super().__init__()
-        self._units = tuple(units)
-        self._modalities = tuple(modalities)
-        self._opts = opts
-        self._block_rows = block_rows
-        self._num_blocks = num_blocks
-        self._schema = _schema(modalities, with_sid)
-
-    def get_name(self) -> str:
-        return "TwinTars"
-
-    def estimate_inmemory_data_size(self) -> int | None:
-        if any(u.count is None for u in self._units):
-            return None
-        return sum(u.count for u in self._units) * DEFAULT_SAMPLE_BYTES
-
-    def _tasks(self) -> list[list[_Unit]]:
-        units = list(self._units)
-        want = self._num_blocks
-        if not want or want == len(units):
-            return [[u] for u in units]
-        if want < len(units):  # contiguous runs of whole shards
-            bounds = np.linspace(0, len(units), want + 1).round().astype(int)
-            return [units[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
-        if any(u.count is None for u in units):
-            return [[u] for u in units]  # slicing needs per-shard counts
-        target = max(1, math.ceil(sum(u.count for u in units) / want))
-        return [[attrs.evolve(u, start=s, count=min(target, u.count - s))]
-                for u in units for s in range(0, u.count, target)]
-
-    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                       data_context: Any = None) -> list[ReadTask]:
-        # NOTE: called several times per execution: it only builds closures (no I/O).
-        tasks = []
-        for group in self._tasks():
-            counts = [u.count for u in group]
-            rows = None if None in counts else sum(counts)
-            if rows == 0:
-                continue
-            meta = BlockMetadata(
-                num_rows=rows,
-                size_bytes=None if rows is None else int(rows * DEFAULT_SAMPLE_BYTES),
-                input_files=[u.shard.url(u.shard.modalities[0]) for u in group],
-                exec_stats=None,
-            )
-            tasks.append(ReadTask(_bind(group, self._opts, self._block_rows, self._schema),
-                                  meta, schema=self._schema,
-                                  per_task_row_limit=per_task_row_limit))
-        return tasks
-
-
-def _bind(units: Sequence[_Unit], opts: ReadOptions, block_rows: int, schema: pa.Schema):
-    units = tuple(units)
-
-    def read_fn() -> Iterator[pa.Table]:
-        return _read_units(units, opts, block_rows, schema)
-
-    return read_fn
+def _tasks(units: Sequence[ReadUnit], num_blocks: int | None) -> list[list[ReadUnit]]:
+    """One read task per shard; per shard slice with ``num_blocks`` above the shard count
+    (needs per-shard counts), per run of whole shards below it."""
+    units = list(units)
+    if not num_blocks or num_blocks == len(units):
+        return [[u] for u in units]
+    if num_blocks < len(units):  # contiguous runs of whole shards
+        bounds = np.linspace(0, len(units), num_blocks + 1).round().astype(int)
+        return [units[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    if any(u.item.count >= TO_END for u in units):
+        return [[u] for u in units]  # slicing needs per-shard counts
+    target = max(1, math.ceil(sum(u.item.count for u in units) / num_blocks))
+    return [[attrs.evolve(u, item=attrs.evolve(u.item, start=s,
+                                               count=min(target, u.item.count - s)))]
+            for u in units for s in range(0, u.item.count, target)]
 
 
 def _leaves(paths: Sequence[str], storage_options: Mapping[str, Any]) -> dict[str, str]:
@@ -297,11 +223,10 @@ def read_twin_tars(
                        index_path=index_path, storage_options=so)
     catalog = load_catalog(paths, modalities=mods, storage_options=so)
     leaf_of = _leaves(paths, so)
-    units: list[_Unit] = []
+    units: list[ReadUnit] = []
     for w in catalog.wdinfos:
         for shard in w.tar_files:
-            units.append(_Unit(shard=shard, sid=len(units), leaf=leaf_of.get(w.source, ""),
-                               count=shard.count))
+            units.append(_unit(shard, len(units), leaf_of.get(w.source, ""), shard.count))
     cfg = None
     if decode is True:
         cfg = _default_decode(catalog.modalities)
@@ -315,8 +240,8 @@ def read_twin_tars(
         if unknown:
             raise ConfigError(f"decode: modalities {unknown} are not read "
                               f"(modalities: {list(catalog.modalities)})")
-    source = TwinTarsDatasource(units, catalog.modalities, opts, block_rows=block_rows,
-                                num_blocks=override_num_blocks, with_sid=cfg is not None)
+    source = TwinTarDatasource(_tasks(units, override_num_blocks), opts, block_rows=block_rows,
+                               schema=_schema(catalog.modalities, with_sid=cfg is not None))
     ds = ray.data.read_datasource(
         source, override_num_blocks=override_num_blocks, concurrency=concurrency,
         num_cpus=num_cpus, memory=memory, label_selector=label_selector)

@@ -19,22 +19,26 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
+import pyarrow as pa
 import ray
 from ray.data import ActorPoolStrategy, DataContext, TaskPoolStrategy
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 from ray.data._internal.execution.interfaces import ExecutionResources
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 
 from ray_ingest.catalog.catalog import Catalog
+from ray_ingest.catalog.shard import TarSample
 from ray_ingest.config import Config, DecodeConfig
 from ray_ingest.decode.decoder import Decoder
 from ray_ingest.decode.sizing import block_rows
 from ray_ingest.errors import IngestError, StallError
-from ray_ingest.execution.datasource import TwinTarDatasource
 from ray_ingest.execution.handoff import Handoff
-from ray_ingest.execution.read import read_item
+from ray_ingest.execution.read import DEFAULT_SAMPLE_BYTES, TO_END, block_schema, read_item
 from ray_ingest.plan.epoch import ReadItem
-from ray_ingest.twintar.reader import read_options
+from ray_ingest.twintar.reader import ReadOptions, read_options
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +193,8 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
     if cfg.loader.fused_read:
         return _fused(cfg, catalog, items, world_size, metric_tags, map_kw, token)
     with _current(execution_context(cfg, world_size, token)):
-        source = TwinTarDatasource(catalog.shards, items, read_options(cfg),
-                                   block_rows=block_rows(cfg),
+        tasks = [[ReadUnit(catalog.shard(it.sid), it)] for it in items if it.count > 0]
+        source = TwinTarDatasource(tasks, read_options(cfg), block_rows=block_rows(cfg),
                                    on_error=cfg.loader.on_error, metric_tags=metric_tags)
         ds = ray.data.read_datasource(source, num_cpus=cfg.loader.read_num_cpus,
                                       concurrency=cfg.loader.read_concurrency,
@@ -206,6 +210,99 @@ def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
             **map_kw,
         )
 
+
+
+# --------------------------------------------------------------------------- the Datasource
+
+
+@attrs.frozen
+class ReadUnit:
+    """One shard slice a read task reads (``item`` of ``shard``), plus columns that are constant
+    over it (``read_twin_tars``' ``__leaf__``)."""
+
+    shard: TarSample
+    item: ReadItem
+    constants: tuple[tuple[str, str], ...] = ()
+
+
+class TwinTarDatasource(Datasource):
+    """Reads ordered groups of shard slices, one ReadTask per group, with
+    :func:`~ray_ingest.execution.read.read_item` (Arrow blocks of raw bytes plus provenance).
+
+    The loader gives it one planned read item per task and keeps the read's own columns
+    (``schema`` None); ``read_twin_tars`` gives it whole shards, slices or runs of shards and
+    its public ``schema``, whose columns are taken from the read's blocks or from the unit's
+    constants. The driver builds the tasks (small picklable closures, no I/O; Ray calls
+    :meth:`get_read_tasks` several times per execution).
+
+    Args:
+        tasks: the units of every read task, in order (a unit's ``item.count`` of
+            :data:`~ray_ingest.execution.read.TO_END` reads to the shard's end).
+        opts: read options (alignment, key index, storage options).
+        block_rows: rows per block.
+        on_error: ``raise`` | ``skip`` (skipped samples are rows with ``__error__`` set).
+        schema: the blocks' columns (None: the read's own, per shard).
+        sample_bytes: bytes assumed per sample for Ray's size estimates.
+        metric_tags: the Ray metric tags of the loader that planned the reads.
+    """
+
+    def __init__(self, tasks: Sequence[Sequence[ReadUnit]], opts: ReadOptions = ReadOptions(),
+                 *, block_rows: int = 64, on_error: str = "raise",
+                 schema: pa.Schema | None = None, sample_bytes: int = DEFAULT_SAMPLE_BYTES,
+                 metric_tags: dict[str, str] | None = None):
+        super().__init__()
+        self._tasks = tuple(tuple(t) for t in tasks if t)
+        self._opts = opts
+        self._block_rows = block_rows
+        self._on_error = on_error
+        self._schema = schema
+        self._sample_bytes = sample_bytes
+        self._metric_tags = dict(metric_tags or {})
+
+    def get_name(self) -> str:
+        return "TwinTar"
+
+    def _rows(self, units: Sequence[ReadUnit]) -> int | None:
+        counts = [u.item.count for u in units]
+        return None if any(c >= TO_END for c in counts) else sum(counts)
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        rows = [self._rows(t) for t in self._tasks]
+        return None if None in rows else sum(rows) * self._sample_bytes
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                       data_context: Any = None) -> list[ReadTask]:
+        tasks = []
+        for units in self._tasks:
+            rows = self._rows(units)
+            if rows == 0:
+                continue
+            meta = BlockMetadata(
+                num_rows=rows,
+                size_bytes=None if rows is None else int(rows * self._sample_bytes),
+                input_files=[u.shard.url(u.shard.modalities[0]) for u in units],
+                exec_stats=None,
+            )
+            schema = self._schema or block_schema(units[0].shard.modalities)
+            tasks.append(ReadTask(
+                functools.partial(_read_units, units, self._opts, self._block_rows,
+                                  self._on_error, self._schema, self._metric_tags),
+                meta, schema=schema, per_task_row_limit=per_task_row_limit))
+        return tasks
+
+
+def _read_units(units: Sequence[ReadUnit], opts: ReadOptions, rows: int, on_error: str,
+                schema: pa.Schema | None, metric_tags: dict[str, str]) -> Iterator[pa.Table]:
+    """Generator behind one ReadTask: its units' blocks, as read or in ``schema``'s columns."""
+    for u in units:
+        for table in read_item(u.shard, u.item, opts, rows, on_error, metric_tags):
+            if schema is None:
+                yield table
+                continue
+            consts, n = dict(u.constants), table.num_rows
+            yield pa.table({f.name: (pa.array([consts[f.name]] * n, f.type) if f.name in consts
+                                     else table.column(f.name).cast(f.type)) for f in schema},
+                           schema=schema)
 
 ITEM_FIELDS = ("seq", "sid", "start", "count", "pad", "epoch")
 

@@ -12,8 +12,8 @@ shard), ``__error__`` (non-empty for a sample skipped under ``on_error=skip``), 
 column and one extension column per modality (:mod:`ray_ingest.columns`). Bytes read and remote
 retries are also recorded as Ray metrics (:mod:`ray_ingest.metrics`) under the tags of the
 loader that planned the read. ``__read_node__`` is the Ray node id of the task that read it.
-The Ray Data read tasks (:mod:`ray_ingest.execution.datasource`), the fused read of the decode
-actors, the head start and the decode threads all read with it. No Ray, no torch.
+The Ray Data read tasks (:class:`~ray_ingest.execution.raydata.TwinTarDatasource`), the fused read
+of the decode actors, the head start and the decode threads all read with it. No Ray, no torch.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 
 #: Bytes assumed per sample before anything was measured (a 4K JPEG is ~2 MB, ours ~20 KB).
 DEFAULT_SAMPLE_BYTES = 256 * 1024
+#: A read item's count that reads to the end of its shard (a wdinfo without per-shard counts).
+TO_END = 2**62
 
 
 def block_schema(modalities: Sequence[str]) -> pa.Schema:
