@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, w, h, res, bucket in CASES:
         images = [make_image(SampleSpec(f"s{i}", i, w, h, (16, 9), 0), seed=i)
                   for i in range(args.images)]
-        cfg = DecodeConfig(resolution=res, buckets=(bucket,) if bucket else (), caption_key=None,
+        cfg = DecodeConfig(resolution=res, buckets=(bucket,) if bucket else (),
+                           caption_modality=None,
                            max_image_pixels=10**9)
         dec = Decoder(cfg)
         rows = [{"image": data, ext_column("image"): "jpg", "__sid__": 0, "__index__": i,

@@ -212,7 +212,7 @@ def ray_rows(pristine: Path, work: Path, local: Path, gs_root: str, port: int,
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})
-    topo = Topology(world_size=1, rank=0, num_workers=1)
+    topo = Topology(world_size=1, rank=0, read_workers=1)
     rows = []
     try:
         # corrupt data: one damaged shard per kind, one run

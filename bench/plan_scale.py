@@ -17,7 +17,7 @@ Three parts, every measurement in a fresh process, medians of ``--repeats`` runs
    same sitting.
 
     .venv/bin/python bench/plan_scale.py [--shards N] [--big-shards N] [--repeats R]
-        [--data DIR] [--world-size W] [--num-workers K] [--skip-big] [--skip-baseline]
+        [--data DIR] [--world-size W] [--read-workers K] [--skip-big] [--skip-baseline]
 """
 
 from __future__ import annotations
@@ -92,14 +92,14 @@ def case_load(args: argparse.Namespace, n: int, extras: bool) -> dict:
     from ray_ingest.catalog.load import load_catalog
 
     path = wdinfo_path(args.data, n)
-    topo = Topology(args.world_size, args.rank, args.num_workers)
+    topo = Topology(args.world_size, args.rank, args.read_workers)
     params = PlanParams(seed=0)
     gc.collect()
     rss0 = _rss_mib()
     t0 = time.perf_counter()
     cat = load_catalog(path)
     t1 = time.perf_counter()
-    plan = plan_slot(cat.counts, cat.chunk_size, topo.slot, topo.slots, topo.num_workers,
+    plan = plan_slot(cat.counts, cat.chunk_size, topo.slot, topo.slots, topo.read_workers,
                      params, args.epoch)
     t2 = time.perf_counter()
     out = {"shards": len(cat), "load_s": t1 - t0, "plan_s": t2 - t1, "total_s": t2 - t0,
@@ -172,17 +172,17 @@ def _measure(fn: Callable[[], object], repeats: int) -> tuple[float, float, floa
     return statistics.median(times), peak / 2**20, rss
 
 
-def pid_literal(urls: list[int], slot: int, slots: int, num_workers: int) -> list[list[int]]:
+def pid_literal(urls: list[int], slot: int, slots: int, read_workers: int) -> list[list[int]]:
     """PiD ShardlistBasic (§6), per worker, as the reference implements it."""
     import random
 
     out = []
     n = len(urls)
-    for w in range(num_workers):
-        t = slots * num_workers
+    for w in range(read_workers):
+        t = slots * read_workers
         lst = [urls[i % n] for i in range(math.ceil(n / t) * t)]
-        lst = lst[slot::slots][w::num_workers]
-        random.Random(slot * num_workers + w).shuffle(lst)
+        lst = lst[slot::slots][w::read_workers]
+        random.Random(slot * read_workers + w).shuffle(lst)
         out.append(lst)
     return out
 
@@ -196,17 +196,17 @@ PLAN_CASES = {
 
 
 def case_plan(args: argparse.Namespace, name: str) -> dict:
-    topo = Topology(args.world_size, args.rank, args.num_workers)
+    topo = Topology(args.world_size, args.rank, args.read_workers)
     counts = np.random.default_rng(0).integers(500, 1500, args.shards)
     if name == "baseline":
         urls = list(range(args.shards))
         sec, peak, rss = _measure(
-            lambda: pid_literal(urls, topo.slot, topo.slots, topo.num_workers), args.repeats)
+            lambda: pid_literal(urls, topo.slot, topo.slots, topo.read_workers), args.repeats)
         return {"s": sec, "peak_mib": peak, "rss_mib": rss, "what": "lists only, no padding"}
     params = PLAN_CASES[name]
 
     def run() -> tuple:
-        return plan_slot(counts, 1000, topo.slot, topo.slots, topo.num_workers, params,
+        return plan_slot(counts, 1000, topo.slot, topo.slots, topo.read_workers, params,
                          args.epoch)
 
     sec, peak, rss = _measure(run, args.repeats)
@@ -238,7 +238,7 @@ def main() -> None:
     ap.add_argument("--data", default="/tmp/ray_ingest_plan_scale",
                     help="where the generated wdinfo files are kept between runs")
     ap.add_argument("--world-size", type=int, default=4096)
-    ap.add_argument("--num-workers", type=int, default=8)
+    ap.add_argument("--read-workers", type=int, default=8)
     ap.add_argument("--rank", type=int, default=37)
     ap.add_argument("--epoch", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
@@ -258,8 +258,8 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    topo = Topology(args.world_size, args.rank, args.num_workers)
-    print(f"{topo.world_size:,} ranks x {topo.num_workers} workers; rank {topo.rank} "
+    topo = Topology(args.world_size, args.rank, args.read_workers)
+    print(f"{topo.world_size:,} ranks x {topo.read_workers} workers; rank {topo.rank} "
           f"(slot {topo.slot}), epoch {args.epoch}; medians of {args.repeats} runs, each in a "
           "fresh process; RSS = high-water growth over the imports")
     sizes = [args.shards] + ([] if args.skip_big else [args.big_shards])
@@ -289,8 +289,8 @@ def main() -> None:
     print(f"\n3. ray-ingest plan on the {args.shards:,}-shard wdinfo (subprocess, wall incl. "
           "start-up)")
     cmd = [sys.executable, "-m", "ray_ingest.cli.main", "plan", wdinfo_path(args.data,
-           args.shards), "--world-size", str(args.world_size), "--num-workers",
-           str(args.num_workers), "--rank", str(args.rank), "--epoch", str(args.epoch),
+           args.shards), "--world-size", str(args.world_size), "--read-workers",
+           str(args.read_workers), "--rank", str(args.rank), "--epoch", str(args.epoch),
            "--json"]
     walls = []
     for _ in range(args.repeats):

@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 from ray_ingest.catalog.catalog import Catalog  # noqa: E402
 from ray_ingest.catalog.load import load_catalog  # noqa: E402
-from ray_ingest.catalog.shard import TarSample  # noqa: E402
+from ray_ingest.catalog.shard import Shard  # noqa: E402
 from ray_ingest.catalog.wdinfo import Wdinfo  # noqa: E402
 from ray_ingest.config import Config, config_from_dict  # noqa: E402
 from ray_ingest.loader.ingest import (  # noqa: E402
@@ -122,7 +122,7 @@ def bench_first_batch(args: argparse.Namespace) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    topo = Topology(world_size=1, num_workers=2)
+    topo = Topology(world_size=1, read_workers=2)
     variants = {"index": data, "no index": noidx}
     setups = {}
     with tempfile.TemporaryDirectory() as root:
@@ -180,7 +180,7 @@ def big_catalog(num_shards: int, seed: int = 0) -> Catalog:
     """A catalog of ``num_shards`` shards of 900..1100 samples, in memory (no tars)."""
     counts = np.random.default_rng(seed).integers(900, 1101, num_shards).tolist()
     root = "gs://bucket/dataset"
-    shards = tuple(TarSample(path=f"part_{i // 1000:06d}/{i % 1000:06d}.tar", root=root,
+    shards = tuple(Shard(path=f"part_{i // 1000:06d}/{i % 1000:06d}.tar", root=root,
                              modalities=("image", "caption"), count=c)
                    for i, c in enumerate(counts))
     info = Wdinfo(source=f"{root}/wdinfo.json", tar_files=shards, total_key_count=sum(counts),
@@ -193,7 +193,7 @@ def bench_state_size(args: argparse.Namespace) -> None:
     counts, chunk = catalog.counts, catalog.chunk_size
     params = PlanParams(seed=0)
     world, workers, bsz = args.world_size, 8, 32
-    topo = Topology(world_size=world, num_workers=workers)
+    topo = Topology(world_size=world, read_workers=workers)
     print(f"ReadState size, {len(catalog.shards):,}-shard catalog ({catalog.total_key_count:,} "
           f"samples), {world} ranks x {workers} read workers, batch {bsz}:")
 
@@ -221,7 +221,7 @@ def bench_state_size(args: argparse.Namespace) -> None:
     show("mid-epoch, unordered (8 ranges per rank)", size(frag))
     new_world = world * 3 // 4
     t0 = time.perf_counter()
-    moved = with_topology(state, Topology(world_size=new_world, num_workers=workers))
+    moved = with_topology(state, Topology(world_size=new_world, read_workers=workers))
     streams = generation_streams(moved, counts, chunk)
     t_replan = time.perf_counter() - t0
     left = sum(sl.count for sl in streams[0])

@@ -25,7 +25,7 @@ from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.settings import PlanSettings
 from ray_ingest.twintar.twin import (
     ALIGN_MODES,
-    DEFAULT_WINDOW,
+    DEFAULT_READ_AHEAD,
 )
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class DataConfig:
     #: merge/index alignment: members a secondary modality may read ahead (and hold in memory)
     #: looking for a key; a key not found within them is an error, or a recorded skip under
     #: loader.on_error=skip. Tars with the sharder's key index need no read-ahead for absent keys.
-    max_read_ahead: int = attrs.field(default=DEFAULT_WINDOW, validator=_at_least(1))
+    max_read_ahead: int = attrs.field(default=DEFAULT_READ_AHEAD, validator=_at_least(1))
     #: fsspec storage options for remote paths (e.g. token, project).
     storage_options: dict[str, Any] = attrs.field(factory=dict)
 
@@ -131,11 +131,11 @@ class DecodeConfig:
 
     SECTION = "decode"
     #: Modality holding images (None: no image decode).
-    image_key: str | None = "image"
+    image_modality: str | None = "image"
     #: Modality holding JSON/text captions (None: none).
-    caption_key: str | None = "caption"
+    caption_modality: str | None = "caption"
     #: Modality holding .npy embeddings (None: none).
-    embedding_key: str | None = None
+    embedding_modality: str | None = None
     #: Output side for square crops; with buckets, the base side (area = resolution**2).
     resolution: int = attrs.field(default=256, validator=_at_least(8))
     #: Aspect-ratio buckets ("16:9", ...) — resize each shard's images to its bucket's shape.
@@ -174,6 +174,12 @@ class DecodeConfig:
     #: Seconds the pool must stay under-used before it shrinks: a pause of the train loop
     #: (checkpoint, validation) shorter than this keeps its actors (0: Ray's default).
     scale_down_hold_s: float = attrs.field(default=30.0, validator=_at_least(0.0))
+
+    @property
+    def decoded_modalities(self) -> tuple[str, ...]:
+        """The image, caption and embedding modalities that are set, in that order."""
+        return tuple(m for m in (self.image_modality, self.caption_modality,
+                                 self.embedding_modality) if m is not None)
 
     def __attrs_post_init__(self) -> None:
         if self.pool_max < self.pool_min:

@@ -45,7 +45,7 @@ TAG_KEYS = ("rank", "slot", "dataset")
 #: Upper bounds (seconds) of the per-batch wait histogram.
 WAIT_BUCKETS = (0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 #: Blocks over which the decode pool size is counted (distinct actors among the last ones).
-POOL_WINDOW = 32
+POOL_RECENT_BLOCKS = 32
 #: Ray's exporter drops a gauge series not set again within about two report intervals, so the
 #: loader sets its gauges again with a delivered batch at most this often (seconds).
 GAUGE_REFRESH_S = 1.0
@@ -130,7 +130,8 @@ class LoaderMetrics:
     def __init__(self, rank: int, slot: int, dataset: str):
         self.tags = tags(rank, slot, dataset)
         self._wait_since_batch = 0.0
-        self._recent: collections.deque[frozenset[str]] = collections.deque(maxlen=POOL_WINDOW)
+        self._recent: collections.deque[frozenset[str]] = collections.deque(
+            maxlen=POOL_RECENT_BLOCKS)
         self._gauges: dict[str, float] = {}
         self._refreshed = 0.0
 
@@ -167,7 +168,7 @@ class LoaderMetrics:
 
     def on_actors(self, actor_ids: Iterable[str]) -> None:
         """Decode actors of one block: the pool size is the distinct actors of the last
-        :data:`POOL_WINDOW` blocks (an elastic pool grows and shrinks; the set of all actors
+        :data:`POOL_RECENT_BLOCKS` blocks (an elastic pool grows and shrinks; the set of all actors
         ever seen only grows)."""
         self._recent.append(frozenset(str(a) for a in actor_ids))
         self.set_pool_size(len(frozenset().union(*self._recent)))

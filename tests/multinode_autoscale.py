@@ -172,7 +172,7 @@ def _driver(address: str, data: str) -> dict[str, Any]:
                    "label_selector": {"pool": "cpu-decode"}},
         "loader": {"batch_size": 8, "read_workers": 1, "read_num_cpus": 0.5, "block_rows": 8},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1),
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1),
                           catalog=load_catalog([data]))
     t0 = time.monotonic()
     first_batch = None
@@ -181,7 +181,7 @@ def _driver(address: str, data: str) -> dict[str, Any]:
         for batch in batches:
             if first_batch is None:
                 first_batch = time.monotonic() - t0
-            keys += [k for k, pad in zip(batch.keys, batch.pads, strict=True) if not pad]
+            keys += [k for k, pad in zip(batch.sample_keys, batch.pads, strict=True) if not pad]
     launched = {nid: n for nid, n in alive().items() if nid not in before}
     status = get_cluster_status(address)
     types = {n.node_id: n.ray_node_type_name for n in status.active_nodes + status.idle_nodes}

@@ -63,7 +63,7 @@ def test_pid_style_wdinfo(tmp_path):
     })
     w = read_wdinfo(str(wd), modalities=("image", "caption"))
     assert w.chunk_size == 2  # int(8 / 3)
-    assert w.data_keys == ("caption", "image")
+    assert w.listed_modalities == ("caption", "image")
     assert all(s.root == str(data_root) for s in w.tar_files)
     cat = load_catalog(str(wd))
     assert cat.modalities == ("caption", "image") and cat.chunk_size == 2

@@ -21,7 +21,7 @@ from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.catalog.shard import (
     DatasetInfo,
-    TarSample,
+    Shard,
 )
 from ray_ingest.catalog.wdinfo import (
     Wdinfo,
@@ -52,7 +52,7 @@ def _fingerprint_dataset(root: Path) -> list:
 
 
 def test_fingerprint_unchanged_from_the_object_catalog(tmp_path):
-    """Values computed by the previous (one TarSample per shard) implementation on this data:
+    """Values computed by the previous (one Shard per shard) implementation on this data:
     saved read states and tests/goldens/stream.json depend on them."""
     paths = _fingerprint_dataset(tmp_path)
     cat = load_catalog(paths)
@@ -69,7 +69,7 @@ def test_shards_are_a_lazy_read_only_sequence(tmp_path):
     cat = load_catalog(_fingerprint_dataset(tmp_path))
     shards = cat.shards
     assert len(shards) == len(cat) == 6
-    assert shards[1] == TarSample("part_000000/000001.tar", str(tmp_path / "a/aspect_ratio_16_9"),
+    assert shards[1] == Shard("part_000000/000001.tar", str(tmp_path / "a/aspect_ratio_16_9"),
                                   ("image", "caption"), 3, "dset: 0", None, "16_9")
     assert shards[-1] == shards[5] == cat.shard(5) == cat.shard(-1)
     assert shards[-1].count is None and shards[-1].dset_id == "dset: 1"
@@ -88,7 +88,7 @@ def test_array_accessors(tmp_path):
     cat = load_catalog(_fingerprint_dataset(tmp_path))
     assert cat.paths.to_pylist()[2:4] == ["part_000000/000000.tar", "x/0.tar"]
     assert cat.known_counts.tolist() == [7, 3, 5, -1, -1, -1]
-    assert cat.group_index.tolist() == [0, 0, 1, 2, 2, 2]
+    assert cat.source_index.tolist() == [0, 0, 1, 2, 2, 2]
     assert cat.roots == (str(tmp_path / "a/aspect_ratio_16_9"),
                          str(tmp_path / "a/aspect_ratio_1_1"), "/elsewhere")
     assert cat.buckets.tolist() == ["16_9", "16_9", "1_1", "", "", ""]
@@ -117,7 +117,7 @@ def test_pickle_ships_arrays_not_objects(tmp_path):
                  [i % 7 + 1 for i in range(n)], ["image", "caption"])
     cat = load_catalog(str(tmp_path / "ds"))
     data = pickle.dumps(cat, protocol=5)
-    assert len(data) < 40 * n  # paths + counts + group ids, not 20,000 TarSample objects
+    assert len(data) < 40 * n  # paths + counts + group ids, not 20,000 Shard objects
     back = pickle.loads(data)
     assert list(back.counts) == list(cat.counts) and back.paths.equals(cat.paths)
     assert back.shard(12_345) == cat.shard(12_345)
@@ -168,7 +168,7 @@ def test_fast_parse_equals_the_json_path(tmp_path, monkeypatch, name, parser):
     # pyarrow cannot type the mixed list of "extra": that one falls back to json
     assert len(results) == 1
     assert (results[0] is None) == (parser == "_fast_parse" and name == "seed")
-    for field in ("chunk_size", "total_key_count", "data_keys", "root", "wdinfo_root",
+    for field in ("chunk_size", "total_key_count", "listed_modalities", "root", "wdinfo_root",
                   "modalities", "bucket", "count_source"):
         assert getattr(fast, field) == getattr(slow, field), field
     assert fast.paths.equals(slow.paths)
@@ -188,14 +188,14 @@ def test_fast_parse_keeps_every_error_message(tmp_path, monkeypatch, doc, match)
 
 
 def test_legacy_constructors_still_work():
-    shards = tuple(TarSample(f"{i}.tar", "/d", ("image",), 4) for i in (0, 1))
+    shards = tuple(Shard(f"{i}.tar", "/d", ("image",), 4) for i in (0, 1))
     cat = Catalog(shards=shards, wdinfos=(), chunk_size=4, modalities=("image",))
     assert cat.counts == (4, 4) and cat.modalities == ("image",) and cat.shards[1] == shards[1]
     info = Wdinfo(source="/d/wdinfo.json", tar_files=shards, total_key_count=8, chunk_size=4,
-                  data_keys=("image",))
+                  listed_modalities=("image",))
     cat = Catalog(shards=shards, wdinfos=(info,), chunk_size=4, modalities=("image",))
     assert cat.total_key_count == 8 and list(info.tar_files) == list(shards)
-    missing = Catalog((TarSample("x.tar", "/d", ("image",), None),), (), 4)
+    missing = Catalog((Shard("x.tar", "/d", ("image",), None),), (), 4)
     with pytest.raises(CatalogError, match="data_list_key_count"):
         missing.counts  # noqa: B018
 
@@ -378,15 +378,15 @@ def test_old_names_still_work_with_a_deprecation_warning(tmp_path, monkeypatch):
         cat = load_catalog(a, keys=["image"])
         assert cat.keys == cat.modalities == ("image",)
         assert cat.shards[0].keys == ("image",)
-        assert TarSample("x.tar", "/r", keys=("caption",)).modalities == ("caption",)
+        assert Shard("x.tar", "/r", keys=("caption",)).modalities == ("caption",)
         info = DatasetInfo(wdinfo=(a,), per_dataset_keys=("caption",))
         assert info.per_dataset_keys == info.per_dataset_modalities == ("caption",)
         assert shard_mod.DEFAULT_KEYS == shard_mod.DEFAULT_MODALITIES
         assert Catalog(shards=cat.shards, keys=("image",)).modalities == ("image",)
     names = {str(w.message).split(" is deprecated")[0] for w in got
              if issubclass(w.category, DeprecationWarning)}
-    assert names == {"load_catalog(keys=...)", "Catalog.keys", "TarSample.keys",
-                     "TarSample(keys=...)", "DatasetInfo(per_dataset_keys=...)",
+    assert names == {"load_catalog(keys=...)", "Catalog.keys", "Shard.keys",
+                     "Shard(keys=...)", "DatasetInfo(per_dataset_keys=...)",
                      "DatasetInfo.per_dataset_keys", "ray_ingest.catalog.DEFAULT_KEYS",
                      "Catalog(keys=...)"}
     with pytest.raises(CatalogError, match="both"):
@@ -413,7 +413,7 @@ def test_config_accepts_old_data_names(caplog):
 def test_plan_cli_imports_nothing_heavy(tmp_path):
     write_wdinfo(str(tmp_path), [f"{i}.tar" for i in range(10)], [3] * 10, ["image"])
     code = ("import sys; from ray_ingest.cli.main import main; "
-            f"rc = main(['plan', {str(tmp_path)!r}, '--world-size', '2', '--num-workers', '2', "
+            f"rc = main(['plan', {str(tmp_path)!r}, '--world-size', '2', '--read-workers', '2', "
             "'--json']); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'torch', 'pandas'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

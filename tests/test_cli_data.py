@@ -156,7 +156,7 @@ def test_keys_flag_is_a_deprecated_alias_of_modalities(tmp_path, capsys, good):
     recs.append({"event": "epoch_end", "epoch": 0, "rank": 0, "step": len(sids)})
     (ledger / "rank_00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     calls = {"info": [good, "--json"], "cat": [good],
-             "plan": [good, "--world-size", "1", "--num-workers", "1", "--json"],
+             "plan": [good, "--world-size", "1", "--read-workers", "1", "--json"],
              "audit": [ledger, "--data", good]}
     outs = {}
     for cmd, args in calls.items():

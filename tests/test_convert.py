@@ -183,17 +183,17 @@ def test_in_place_conversion_trains_without_pickle(ray_local, pid_data):
     # the loader, with decode.allow_pickle false, delivers the original arrays
     cfg = config_from_dict({
         "data": {"paths": [str(root)], "modalities": list(MODS)},
-        "decode": {"resolution": 16, "embedding_key": "umt5", "allow_pickle": False,
+        "decode": {"resolution": 16, "embedding_modality": "umt5", "allow_pickle": False,
                    "pool_min": 1, "pool_max": 1, "num_cpus": 0.25},
         "loader": {"batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25,
                    "block_rows": 4, "shuffle": False, "equal_work": False},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1))
     delivered = 0
     for _, batches in loader.epochs(1):
         for b in batches:
             emb = b["umt5"]
-            for j, key in enumerate(b.keys):
+            for j, key in enumerate(b.sample_keys):
                 got = emb[j] if isinstance(emb, list) else emb[j].numpy()
                 np.testing.assert_array_equal(np.asarray(got), arrays[key])
                 delivered += 1

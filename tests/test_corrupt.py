@@ -212,7 +212,7 @@ def cfg_for(path: Path, compute: str = "actors", **loader: Any):
     })
 
 
-TOPO = Topology(world_size=1, rank=0, num_workers=1)
+TOPO = Topology(world_size=1, rank=0, read_workers=1)
 
 
 def run(cfg, state: ReadState | None = None, stop_after: int | None = None, local: bool = False):

@@ -159,7 +159,7 @@ def test_decoded_columns_come_from_the_loader_decoder(ray_local, buckets):
     import ray_ingest
     from ray_ingest.config import DecodeConfig
 
-    cfg = DecodeConfig(resolution=16, embedding_key="umt5", pool_min=1, pool_max=1,
+    cfg = DecodeConfig(resolution=16, embedding_modality="umt5", pool_min=1, pool_max=1,
                        num_cpus=0.25)
     rows = ray_ingest.read_twin_tars(str(buckets), decode=cfg, **RAY).take_all()
     assert len(rows) == SAMPLES

@@ -221,8 +221,8 @@ def test_memory_url(tmp_path):
 
 
 def test_open_dataset_rejects_unknown_modality(data):
-    with pytest.raises(IngestError, match="image_key"):
-        explore.open_dataset(data, image_key="video")
+    with pytest.raises(IngestError, match="image_modality"):
+        explore.open_dataset(data, image_modality="video")
 
 
 def test_open_dataset_modalities_and_their_old_name_keys(data, monkeypatch):
@@ -232,7 +232,7 @@ def test_open_dataset_modalities_and_their_old_name_keys(data, monkeypatch):
     monkeypatch.setattr(shard_mod, "_WARNED", set())
     with pytest.warns(DeprecationWarning, match=r"open_dataset\(keys=...\) is deprecated"):
         ds = explore.open_dataset(data, keys=["caption"])
-    assert ds.modalities == ("caption",) and ds.image_key is None
+    assert ds.modalities == ("caption",) and ds.image_modality is None
     with pytest.raises(IngestError, match="both"):
         explore.open_dataset(data, modalities=["image"], keys=["image"])
 

@@ -31,7 +31,7 @@ from ray_ingest.twintar.reader import read_shard
 
 pytestmark = pytest.mark.ray
 
-TOPO = Topology(world_size=1, rank=0, num_workers=1)
+TOPO = Topology(world_size=1, rank=0, read_workers=1)
 
 
 @pytest.fixture(scope="module")

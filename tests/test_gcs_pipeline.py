@@ -48,7 +48,7 @@ pytestmark = pytest.mark.gcs
 SHARDS, SHARD_SIZE = 4, 6
 #: Fast retries; a stalled response must end in a client timeout well before the proxy's 1.5 s.
 POLICY = RetryPolicy(attempts=8, backoff_base_s=0.005, backoff_max_s=0.05, read_timeout_s=0.3)
-TOPO = Topology(world_size=1, rank=0, num_workers=1)
+TOPO = Topology(world_size=1, rank=0, read_workers=1)
 #: Fault rate of the read_shard tests: high enough for dozens of faults, low enough that 8
 #: attempts in a row (about two requests each) practically never all fail.
 RATE = 0.15
@@ -191,7 +191,7 @@ def pipeline_cfg(paths: list[str], storage_options: dict):
     return config_from_dict({
         "data": {"paths": paths, "modalities": ["image", "caption", "umt5"],
                  "storage_options": storage_options},
-        "decode": {"resolution": 16, "embedding_key": "umt5", "pool_min": 1, "pool_max": 2,
+        "decode": {"resolution": 16, "embedding_modality": "umt5", "pool_min": 1, "pool_max": 2,
                    "num_cpus": 0.25, "compute": "actors"},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 8,

@@ -47,7 +47,7 @@ def test_wire_format_round_trips_tensors_arrays_and_provenance():
     emb = [np.arange(6, dtype=np.float16).reshape(2, 3), np.full((1, 3), -1.5, np.float32)]
     batch = Batch(data={"image": torch.randint(0, 255, (2, 4, 5, 3), dtype=torch.uint8),
                         "umt5": emb},
-                  keys=["a", "b"], captions=["ein Bild ü", ""], sids=[3, 3], indices=[0, 1],
+                  sample_keys=["a", "b"], captions=["ein Bild ü", ""], sids=[3, 3], indices=[0, 1],
                   pads=[False, True], bucket="16:9", epoch=2, step_in_epoch=7,
                   skipped=[(3, 5, "SampleError: bad")])
     header, tensors = encode_batch(batch, [10, -1, 12])
@@ -57,8 +57,8 @@ def test_wire_format_round_trips_tensors_arrays_and_provenance():
     assert torch.equal(got["image"], batch["image"])
     assert [a.dtype for a in got["umt5"]] == [np.float16, np.float32]
     assert all(np.array_equal(a, b) for a, b in zip(got["umt5"], emb, strict=True))
-    for f in ("keys", "captions", "sids", "indices", "pads", "bucket", "epoch", "step_in_epoch",
-              "skipped"):
+    for f in ("sample_keys", "captions", "sids", "indices", "pads", "bucket", "epoch",
+              "step_in_epoch", "skipped"):
         assert getattr(got, f) == getattr(batch, f), f
 
 

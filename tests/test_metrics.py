@@ -134,7 +134,7 @@ def test_loader_and_read_metrics_reach_the_metrics_endpoint(ray_local, tmp_path)
                    "batch_size": 4, "read_workers": 1, "shuffle": False, "equal_work": False,
                    "on_error": "skip", "block_rows": 5},
     })
-    loader = IngestLoader(cfg, Topology(world_size=2, rank=1, num_workers=1), start_epoch=2)
+    loader = IngestLoader(cfg, Topology(world_size=2, rank=1, read_workers=1), start_epoch=2)
     seen: set[tuple[int, int]] = set()
     for _, batches in loader.epochs(3):
         for b in batches:

@@ -274,7 +274,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
                    "batch_size": 16, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 16,
                    "prefetch_batches": 1, "seed": 1},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1),
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1),
                           catalog=load_catalog([data]))
     audit_dir = tmp_path / "audit"
     audit_dir.mkdir()
@@ -291,7 +291,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
             now = time.monotonic()
             step += 1
             _ledger_append(ledger, {"epoch": epoch, "step": step, "rank": 0, "slot": 0,
-                                    "batch": batch.step_in_epoch, "keys": batch.keys,
+                                    "batch": batch.step_in_epoch, "keys": batch.sample_keys,
                                     "sids": batch.sids, "indices": batch.indices,
                                     "pads": batch.pads, "skipped": batch.skipped})
             log.append((now, loader.clock.samples, dict(loader.decode_nodes)))
@@ -416,7 +416,7 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
                    "prefetch_batches": 2, "seed": 1},
     })
     catalog = load_catalog([data])
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1), catalog=catalog)
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1), catalog=catalog)
     seen = []
     with StoreSampler(cluster, period_s=0.05) as sampler:
         for _, batches in loader.epochs(1):

@@ -32,7 +32,7 @@ def test_stage_fractions_add_up_to_the_measured_loop_time(ray_local, tmp_path):
         "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "compute": "actors"},
         "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1))
 
     compute = 0.0
     batches = 0
@@ -45,7 +45,7 @@ def test_stage_fractions_add_up_to_the_measured_loop_time(ray_local, tmp_path):
             loader.clock.compute += spent
             compute += spent
             batches += 1
-            assert len(batch.keys) == 8
+            assert len(batch.sample_keys) == 8
     elapsed = time.perf_counter() - t_start
     assert batches == 6
 

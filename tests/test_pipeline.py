@@ -65,7 +65,7 @@ def _run(cfg, topo: Topology, epochs: int = 1, local: bool = False):
     for epoch, batches in loader.epochs(epochs):
         for b in batches:
             digest = hashlib.sha1(b["image"].numpy().tobytes()).hexdigest()
-            out.append((epoch, b.step_in_epoch, tuple(b.keys), tuple(b.pads), digest))
+            out.append((epoch, b.step_in_epoch, tuple(b.sample_keys), tuple(b.pads), digest))
     return out, loader
 
 
@@ -83,7 +83,7 @@ def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
 
     cfg = _cfg(dataset)
     catalog = load_catalog([dataset])
-    topo = Topology(world_size=3, rank=1, num_workers=2)
+    topo = Topology(world_size=3, rank=1, read_workers=2)
     state = initial_state(catalog.fingerprint, plan_params(cfg), 0, topo)
     stream = slot_stream(state, catalog.counts, catalog.chunk_size, topo.slot)
     items = read_items(stream, ())
@@ -110,7 +110,7 @@ def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
 
 def test_a_ray_run_equals_an_independent_run_and_epochs_differ(ray_local, dataset):
     cfg = _cfg(dataset)
-    topo = Topology(world_size=2, rank=0, num_workers=2)
+    topo = Topology(world_size=2, rank=0, read_workers=2)
     a, _ = _run(cfg, topo, epochs=2)
     b, _ = _run(cfg, topo, epochs=2, local=True)
     assert a == b
@@ -121,7 +121,7 @@ def test_a_ray_run_equals_an_independent_run_and_epochs_differ(ray_local, datase
 
 def test_group_ranks_identical_and_equal_batch_counts(dataset):
     cfg = _cfg(dataset)
-    runs = {r: _run(cfg, Topology(world_size=6, rank=r, num_workers=2, group_size=2),
+    runs = {r: _run(cfg, Topology(world_size=6, rank=r, read_workers=2, group_size=2),
                     local=True)[0]
             for r in range(6)}
     assert runs[0] == runs[1] and runs[2] == runs[3] and runs[4] == runs[5]
@@ -135,7 +135,7 @@ def test_group_ranks_identical_and_equal_batch_counts(dataset):
 
 
 def test_unordered_mode_delivers_the_same_multiset(ray_local, dataset):
-    topo = Topology(world_size=2, rank=1, num_workers=2)
+    topo = Topology(world_size=2, rank=1, read_workers=2)
     ordered, _ = _run(_cfg(dataset), topo, local=True)
     unordered, _ = _run(_cfg(dataset, ordered=False), topo)
     flat = lambda runs: sorted(k for (_, _, keys, pads, _) in runs  # noqa: E731
@@ -148,12 +148,12 @@ def test_batches_are_tensors_with_provenance(ray_local, dataset):
     import torch
 
     cfg = _cfg(dataset)
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1))
     _, batches = next(loader.epochs(1))
     b = next(batches)
     assert isinstance(b["image"], torch.Tensor)
     assert b["image"].dtype == torch.uint8 and tuple(b["image"].shape) == (8, 32, 32, 3)
-    assert len(b.keys) == len(b.captions) == len(b.sids) == 8
+    assert len(b.sample_keys) == len(b.captions) == len(b.sids) == 8
     assert all(isinstance(c, str) and c for c in b.captions)
     batches.close()
 
@@ -170,7 +170,7 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 12, "read_workers": 1, "block_rows": 4, "prefetch_batches": 8},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1))
     per_epoch = []
     for _, batches in loader.epochs(2):
         before = set(loader.actors_seen)
@@ -186,7 +186,7 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
                    "compute": "actors"},
         "loader": {"head_start_batches": 0, "batch_size": 12, "read_workers": 1, "block_rows": 4},
     })
-    loader = IngestLoader(fixed, Topology(world_size=1, rank=0, num_workers=1))
+    loader = IngestLoader(fixed, Topology(world_size=1, rank=0, read_workers=1))
     n = 0
     for _, batches in loader.epochs(2):
         n += sum(1 for _ in batches)
@@ -195,7 +195,7 @@ def test_decode_pool_scales_between_min_and_max(ray_local, tmp_path):
 
 def test_one_execution_reads_a_window_of_epochs(ray_local, dataset):
     """The same batches whether one execution reads three epochs or each epoch gets its own."""
-    topo = Topology(world_size=2, rank=1, num_workers=2)
+    topo = Topology(world_size=2, rank=1, read_workers=2)
     cfg = _cfg(dataset)
     one, loader = _run(cfg, topo, epochs=3)
     assert loader.executions == 1 and len(loader.data_stats) == 1
@@ -215,7 +215,7 @@ def test_random_crop_is_seeded_per_sample(ray_local, dataset):
                    "num_cpus": 0.25, "compute": "tasks"},
         "loader": {"head_start_batches": 0, "batch_size": 8, "seed": 5},
     })
-    topo = Topology(world_size=1, rank=0, num_workers=1)
+    topo = Topology(world_size=1, rank=0, read_workers=1)
     a, _ = _run(cfg, topo)  # the crops drawn in Ray's worker processes ...
     b, _ = _run(cfg, topo, local=True)  # ... equal those drawn in this process
     assert a == b
@@ -237,7 +237,7 @@ def test_aspect_buckets_give_one_shape_per_batch(tmp_path):
     })
     counts = []
     for rank in range(2):
-        loader = IngestLoader(cfg, Topology(world_size=2, rank=rank, num_workers=1),
+        loader = IngestLoader(cfg, Topology(world_size=2, rank=rank, read_workers=1),
                               open_execution=LocalExecution.factory(cfg, load_catalog([out])))
         shapes = set()
         n = 0
@@ -269,7 +269,7 @@ def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
         "loader": {"head_start_batches": 0, "batch_size": 16, "read_workers": 1, "block_rows": 16,
                    "object_store_limit": 16_000_000},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1))
     before: set[str] = set()
     for epoch, batches in loader.epochs(2):
         for n, _ in enumerate(batches):

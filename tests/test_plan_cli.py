@@ -28,7 +28,7 @@ def tar(i):
 
 def test_single_worker_lines_pid(tmp_path, capsys):
     path = write_wdinfo(tmp_path)
-    rc = main(["plan", str(path), "--world-size", "2", "--num-workers", "2", "--rank", "1",
+    rc = main(["plan", str(path), "--world-size", "2", "--read-workers", "2", "--rank", "1",
                "--worker", "1", "--seed-mode", "pid", "--repeat"])
     assert rc == 0
     # E2: rank 1 / worker 1 -> u7, u1, u3
@@ -37,7 +37,7 @@ def test_single_worker_lines_pid(tmp_path, capsys):
 
 def test_json_all_ranks_with_groups(tmp_path, capsys):
     write_wdinfo(tmp_path / "ds")
-    rc = main(["plan", str(tmp_path), "--world-size", "4", "--num-workers", "2",
+    rc = main(["plan", str(tmp_path), "--world-size", "4", "--read-workers", "2",
                "--group-size", "2", "--seed-mode", "pid", "--repeat", "--json"])
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -53,7 +53,7 @@ def test_json_all_ranks_with_groups(tmp_path, capsys):
 
 def test_json_one_rank_all_workers_and_flags(tmp_path, capsys):
     path = write_wdinfo(tmp_path)
-    rc = main(["plan", str(path), "--world-size", "2", "--num-workers", "2", "--rank", "0",
+    rc = main(["plan", str(path), "--world-size", "2", "--read-workers", "2", "--rank", "0",
                "--seed-mode", "pid", "--no-shuffle", "--no-repeat", "--json", "--modalities",
                "image,caption"])
     assert rc == 0
@@ -67,7 +67,7 @@ def test_json_one_rank_all_workers_and_flags(tmp_path, capsys):
 
 def test_epoch_mode_changes_with_epoch_and_start_index_skips(tmp_path, capsys):
     path = write_wdinfo(tmp_path, n=40)
-    args = ["plan", str(path), "--world-size", "2", "--num-workers", "2", "--rank", "0",
+    args = ["plan", str(path), "--world-size", "2", "--read-workers", "2", "--rank", "0",
             "--worker", "0", "--seed", "3"]
     outs = []
     for extra in ([], ["--epoch", "0"], ["--epoch", "1"], ["--start-index", "40"]):
@@ -83,7 +83,7 @@ def test_two_datasets_share_relative_paths(tmp_path, capsys):
     write_wdinfo(tmp_path / "a", n=2)
     write_wdinfo(tmp_path / "b", n=2)
     rc = main(["plan", str(tmp_path / "a"), str(tmp_path / "b"), "--world-size", "1",
-               "--num-workers", "1", "--rank", "0", "--worker", "0", "--seed-mode", "pid",
+               "--read-workers", "1", "--rank", "0", "--worker", "0", "--seed-mode", "pid",
                "--no-shuffle"])
     assert rc == 0
     assert capsys.readouterr().out.splitlines() == [tar(0), tar(1), tar(0), tar(1)]
@@ -103,14 +103,14 @@ def test_two_datasets_share_relative_paths(tmp_path, capsys):
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, extra, message):
     path = write_wdinfo(tmp_path)
-    rc = main(["plan", str(path), "--world-size", "2", "--num-workers", "2", *extra])
+    rc = main(["plan", str(path), "--world-size", "2", "--read-workers", "2", *extra])
     assert rc == 2
     err = capsys.readouterr().err
     assert message in err
 
 
 def test_missing_path_exits_2(tmp_path, capsys):
-    rc = main(["plan", str(tmp_path / "nope"), "--world-size", "1", "--num-workers", "1",
+    rc = main(["plan", str(tmp_path / "nope"), "--world-size", "1", "--read-workers", "1",
                "--json"])
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()

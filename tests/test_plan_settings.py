@@ -56,7 +56,7 @@ def test_errors_name_the_field_where_it_was_given(field, value, message):
 
 def test_plan_cli_defaults_are_trainings(tmp_path, capsys):
     write_wdinfo(str(tmp_path), [f"{i:02d}.tar" for i in range(11)], [4] * 11, ["image"])
-    base = ["plan", str(tmp_path), "--world-size", "3", "--num-workers", "2", "--json"]
+    base = ["plan", str(tmp_path), "--world-size", "3", "--read-workers", "2", "--json"]
 
     def lists(*extra):
         assert main([*base, *extra]) == 0

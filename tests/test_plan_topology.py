@@ -15,9 +15,9 @@ from ray_ingest.train.detect import detect_topology, pid_env_start
 
 
 def test_topology_derived_fields():
-    t = Topology(world_size=8, rank=5, num_workers=4, worker_id=3, group_size=2)
+    t = Topology(world_size=8, rank=5, read_workers=4, worker_id=3, group_size=2)
     assert (t.slot, t.slots) == (2, 4)
-    assert Topology(4).to_dict() == {"world_size": 4, "rank": 0, "num_workers": 1,
+    assert Topology(4).to_dict() == {"world_size": 4, "rank": 0, "read_workers": 1,
                                      "worker_id": 0, "group_size": 1}
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         t.rank = 1  # type: ignore[misc]
@@ -30,9 +30,9 @@ def test_topology_derived_fields():
         ({"world_size": 4, "rank": 4},
          r"Topology.rank: expected 0 <= rank < world_size \(4\), got 4"),
         ({"world_size": 4, "rank": -1}, r"Topology.rank: .* got -1"),
-        ({"world_size": 4, "num_workers": 0}, r"Topology.num_workers: expected >= 1, got 0"),
-        ({"world_size": 4, "num_workers": 2, "worker_id": 2},
-         r"Topology.worker_id: expected 0 <= worker_id < num_workers \(2\), got 2"),
+        ({"world_size": 4, "read_workers": 0}, r"Topology.read_workers: expected >= 1, got 0"),
+        ({"world_size": 4, "read_workers": 2, "worker_id": 2},
+         r"Topology.worker_id: expected 0 <= worker_id < read_workers \(2\), got 2"),
         ({"world_size": 4, "group_size": 0}, r"Topology.group_size: expected >= 1, got 0"),
         ({"world_size": 6, "group_size": 4},
          r"Topology.group_size: expected a divisor of world_size \(6\), got 4"),
@@ -47,14 +47,14 @@ def test_topology_validation(kwargs, message):
 
 def test_detect_defaults_without_env():
     assert detect_topology(environ={}) == Topology(1)
-    assert detect_topology(num_workers=4, group_size=1, environ={}) == Topology(1, 0, 4, 0, 1)
+    assert detect_topology(read_workers=4, group_size=1, environ={}) == Topology(1, 0, 4, 0, 1)
 
 
 def test_detect_from_env():
     env = {"RANK": "5", "WORLD_SIZE": "8", "WORKER": "1", "NUM_WORKERS": "3", "GROUP_SIZE": "2"}
     assert detect_topology(environ=env) == Topology(8, 5, 3, 1, 2)
     # Explicit arguments win over the environment.
-    assert detect_topology(num_workers=2, group_size=4, environ=env) == Topology(8, 5, 2, 0, 4)
+    assert detect_topology(read_workers=2, group_size=4, environ=env) == Topology(8, 5, 2, 0, 4)
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_detect_prefers_active_ray_train_context(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", ray)
     monkeypatch.setitem(sys.modules, "ray.train", train)
     env = {"RANK": "0", "WORLD_SIZE": "1"}
-    assert detect_topology(num_workers=2, group_size=2, environ=env) == Topology(4, 3, 2, 0, 2)
+    assert detect_topology(read_workers=2, group_size=2, environ=env) == Topology(4, 3, 2, 0, 2)
 
 
 def test_detect_falls_back_when_ray_train_has_no_context(monkeypatch):

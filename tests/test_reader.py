@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.errors import IngestError, TarFormatError
 from ray_ingest.twintar.reader import (
     ReadOptions,
@@ -28,8 +28,8 @@ SHARD = "part_000000/000000.tar"
 KEYS = [f"id{i:02d}" for i in range(9)]
 
 
-def _shard(root: Path, modalities=("image", "caption")) -> TarSample:
-    return TarSample(path=SHARD, root=str(root), modalities=modalities, count=None)
+def _shard(root: Path, modalities=("image", "caption")) -> Shard:
+    return Shard(path=SHARD, root=str(root), modalities=modalities, count=None)
 
 
 def _strip(rows):
@@ -168,7 +168,7 @@ def test_memory_filesystem(tmp_path):
     write_shard(leaf, SHARD, ["image", "caption"],
                 [(k, {"image": ("jpg", k.encode()), "caption": ("json", b"{}")}) for k in KEYS])
     try:
-        shard = TarSample(path=SHARD, root=leaf, modalities=("image", "caption"), count=None)
+        shard = Shard(path=SHARD, root=leaf, modalities=("image", "caption"), count=None)
         assert [r[KEY] for r in read_shard(shard, start=3, count=2)] == KEYS[3:5]
     finally:
         fsspec.filesystem("memory").rm("/reader-test", recursive=True)

@@ -78,7 +78,7 @@ def factory(path: str, world: int = 1, group: int = 1, all_local: bool = False,
     catalog = load_catalog([path])
 
     def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
-        topo = Topology(world_size=world, rank=rank, num_workers=cfg.loader.read_workers,
+        topo = Topology(world_size=world, rank=rank, read_workers=cfg.loader.read_workers,
                         group_size=group)
         return IngestLoader(cfg, topo, catalog=catalog, state=state,
                             open_execution=LocalExecution.factory(cfg, catalog)
@@ -89,7 +89,7 @@ def factory(path: str, world: int = 1, group: int = 1, all_local: bool = False,
 
 def record(epoch: int, b) -> Record:
     digest = hashlib.sha1(b["image"].numpy().tobytes()).hexdigest()[:12]
-    return (epoch, b.step_in_epoch, tuple(b.keys), tuple(b.sids), tuple(b.indices),
+    return (epoch, b.step_in_epoch, tuple(b.sample_keys), tuple(b.sids), tuple(b.indices),
             tuple(b.pads), digest)
 
 
@@ -253,7 +253,7 @@ def test_pid_start_index_is_a_starting_point(dataset, tmp_path):
     start_index, start_epoch = pid_env_start(env)
     cfg = make_cfg(dataset, seed_mode="pid", pid_env=True)
     catalog = load_catalog([dataset])
-    topo = Topology(world_size=1, num_workers=2)
+    topo = Topology(world_size=1, read_workers=2)
 
     def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
         # as train.py does: the env starting point only when there is no checkpoint
@@ -301,7 +301,7 @@ def test_resume_with_another_batch_size_is_exactly_once(dataset, tmp_path):
     loader.save(str(tmp_path))
     state = IngestLoader.restore_state(str(tmp_path))
     cfg = make_cfg(dataset, batch_size=20)
-    resumed = IngestLoader(cfg, Topology(world_size=1, num_workers=2), state=state,
+    resumed = IngestLoader(cfg, Topology(world_size=1, read_workers=2), state=state,
                            open_execution=LocalExecution.factory(cfg, load_catalog([dataset])))
     after = collect(resumed, 1)
     assert real_samples(before + after, 0) == every_sample()
@@ -333,7 +333,7 @@ def test_aspect_buckets_resume_exactly_once(tmp_path):
     assert len({s.bucket for s in catalog.shards}) >= 2
 
     def make(state: ReadState | None, rank: int, local: bool = False) -> IngestLoader:
-        return IngestLoader(cfg, Topology(world_size=1, num_workers=2), catalog=catalog,
+        return IngestLoader(cfg, Topology(world_size=1, read_workers=2), catalog=catalog,
                             state=state, open_execution=LocalExecution.factory(cfg, catalog))
 
     base, state, before, after = run_save_load(make, 5, tmp_path / "ckpt", epochs=1,

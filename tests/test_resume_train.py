@@ -25,7 +25,7 @@ import yaml
 from click.testing import CliRunner
 
 from ray_ingest.catalog.catalog import Catalog
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.cli.main import cli
 from ray_ingest.plan.state import ReadState
 from ray_ingest.tools.audit import audit as audit_epochs
@@ -167,7 +167,7 @@ def test_failure_rerun_and_topology_change_are_exactly_once(ray_local, job):
 def test_audit_rolls_back_ranks_that_did_not_come_back(tmp_path):
     """2 ranks crash after the step-2 checkpoint; the re-run has 1 rank. Rank 1's step 3 was
     rolled back too, although rank 1 never logged a restart (no trainer: a written ledger)."""
-    catalog = Catalog(shards=tuple(TarSample(f"{i}.tar", "/d", ("image",), 4) for i in (0, 1)),
+    catalog = Catalog(shards=tuple(Shard(f"{i}.tar", "/d", ("image",), 4) for i in (0, 1)),
                       wdinfos=(), chunk_size=4, modalities=("image",))
     clock = iter(range(100))
 

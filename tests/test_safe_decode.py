@@ -65,7 +65,7 @@ def serialize(value, ext: str) -> bytes:
 
 
 def decoder(allow: bool, on_error: str = "raise") -> Decoder:
-    cfg = DecodeConfig(resolution=16, embedding_key="umt5", allow_pickle=allow)
+    cfg = DecodeConfig(resolution=16, embedding_modality="umt5", allow_pickle=allow)
     return Decoder(cfg, on_error=on_error)
 
 
@@ -162,12 +162,12 @@ def test_pipeline_refuses_pickled_embeddings(ray_local, tmp_path):
     write_tar(umt5, members, index=True)
     cfg = config_from_dict({
         "data": {"paths": [str(root)], "modalities": ["image", "caption", "umt5"]},
-        "decode": {"resolution": 16, "embedding_key": "umt5", "pool_min": 1, "pool_max": 1,
+        "decode": {"resolution": 16, "embedding_modality": "umt5", "pool_min": 1, "pool_max": 1,
                    "num_cpus": 0.25},
         "loader": {"batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 4,
                    "shuffle": False, "equal_work": False, "on_error": "skip"},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1))
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1))
     delivered, skipped = [], []
     for _, batches in loader.epochs(1):
         for b in batches:

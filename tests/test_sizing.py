@@ -32,10 +32,10 @@ def test_buckets_size_by_their_largest_shape_and_explicit_caps_win():
     square = decoded_sample_bytes(cfg(decode={"resolution": 1024}).decode)
     wide = decoded_sample_bytes(cfg(decode={"resolution": 1024, "buckets": ["21:9", "1:1"]}).decode)
     assert square == 1024 * 1024 * 3 and wide > square  # 21:9 rounds up to multiples of 8
-    assert decoded_sample_bytes(cfg(decode={"image_key": None}).decode) == 0
+    assert decoded_sample_bytes(cfg(decode={"image_modality": None}).decode) == 0
     c = cfg(decode={"resolution": 1024}, loader={"block_rows": 16, "max_block_bytes": 64 * MIB})
     assert block_rows(c) == 16
-    assert block_rows(cfg(decode={"image_key": None}, loader={"block_rows": 7})) == 7
+    assert block_rows(cfg(decode={"image_modality": None}, loader={"block_rows": 7})) == 7
 
 
 def test_in_flight_bytes_formula():

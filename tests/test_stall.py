@@ -34,7 +34,7 @@ def test_no_progress_for_stall_timeout_raises_stall_error(ray_local, tmp_path):
                    "batch_size": 8, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 8,
                    "stall_timeout_s": 2},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=1),
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1),
                           catalog=load_catalog([data]))
     t0 = time.monotonic()
     with pytest.raises(StallError) as err:

@@ -44,7 +44,7 @@ PARAMS = {
 
 
 def topo(world: int, workers: int = 1, group: int = 1, rank: int = 0) -> Topology:
-    return Topology(world_size=world, rank=rank, num_workers=workers, group_size=group)
+    return Topology(world_size=world, rank=rank, read_workers=workers, group_size=group)
 
 
 def state_for(params: PlanParams = PARAMS["epoch-equal"], t: Topology | None = None,

@@ -85,7 +85,7 @@ def _cfg(path: str, decode: dict[str, Any] | None = None, **loader: Any):
 
 
 def _record(epoch: int, b) -> list[Any]:
-    return [epoch, b.step_in_epoch, b.bucket, list(b.keys), list(b.sids), list(b.indices),
+    return [epoch, b.step_in_epoch, b.bucket, list(b.sample_keys), list(b.sids), list(b.indices),
             list(b.pads), [list(s) for s in b.skipped],
             hashlib.sha1(b["image"].numpy().tobytes()).hexdigest()]
 

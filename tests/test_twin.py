@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.errors import AlignmentError, ConfigError, OversizedMemberError
 from ray_ingest.twintar.reader import (
     ReadOptions,
@@ -72,10 +72,10 @@ def twin_case(draw, max_keys: int = 10):
     return {"image": driver, **secondaries}
 
 
-def _write(tmp_path_factory, streams: dict[str, list[str]], index: bool = False) -> TarSample:
+def _write(tmp_path_factory, streams: dict[str, list[str]], index: bool = False) -> Shard:
     root = tmp_path_factory.getbasetemp() / "twin" / f"case{next(_counter)}"
     write_twin(root, {SHARD_PATH: streams}, index=index, wdinfo=False)
-    return TarSample(path=SHARD_PATH, root=str(root), modalities=tuple(streams), count=None)
+    return Shard(path=SHARD_PATH, root=str(root), modalities=tuple(streams), count=None)
 
 
 def _tar_members(path: Path) -> list[tuple[str, bytes]]:
@@ -244,7 +244,7 @@ def test_merge_read_ahead_is_bounded():
     streams = {"image": _member_stream(list("abcdefgh"), modality="image"),
                "caption": _member_stream(list("hgfedcba"), consumed)}
     with pytest.raises(AlignmentError) as info:
-        list(expand(SHARD_PATH, streams, align="merge", window=3))
+        list(expand(SHARD_PATH, streams, align="merge", read_ahead=3))
     assert str(info.value) == (
         f"shard {SHARD_PATH}: key a not found in caption within 3 members read ahead "
         "(data.max_read_ahead); that tar is too far out of order or lacks too many keys for "
@@ -256,7 +256,7 @@ def test_merge_beyond_read_ahead_under_skip_marks_the_sample_and_goes_on():
     case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}  # b missing, same order
     stats = AlignStats()
     rows = list(expand(SHARD_PATH, {m: _member_stream(v, modality=m) for m, v in case.items()},
-                       align="merge", window=3, on_error="skip", stats=stats))
+                       align="merge", read_ahead=3, on_error="skip", stats=stats))
     assert [r[KEY] for r in rows] == list("abcdefgh")
     bad = [r for r in rows if ERROR in r]
     assert [(r[KEY], r[INDEX], r["image"], r["caption"]) for r in bad] == [("b", 1, None, None)]
@@ -271,12 +271,13 @@ def test_merge_with_a_key_index_declares_missing_keys_at_once(tmp_path_factory):
     case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}
     stats = AlignStats()
     rows = list(read_shard(_write(tmp_path_factory, case, index=True),
-                           opts=ReadOptions(align="merge", window=1), stats=stats))
+                           opts=ReadOptions(align="merge", read_ahead=1), stats=stats))
     assert [r[KEY] for r in rows] == ["a", *"cdefgh"]
     assert stats.get("caption", "missing") == 1 and stats.get("caption", "beyond_read_ahead") == 0
-    # without the index the same window cannot tell: a clear error
+    # without the index the same read-ahead cannot tell: a clear error
     with pytest.raises(AlignmentError, match="key b not found in caption within 1 members"):
-        list(read_shard(_write(tmp_path_factory, case), opts=ReadOptions(align="merge", window=1)))
+        list(read_shard(_write(tmp_path_factory, case),
+                        opts=ReadOptions(align="merge", read_ahead=1)))
 
 
 @pytest.mark.parametrize("align", ["strict", "merge"])
@@ -402,7 +403,7 @@ def test_optional_modality_absent_for_some_samples(tmp_path_factory, align):
 @pytest.mark.parametrize("align", ["strict", "merge"])
 def test_optional_modality_tar_absent(tmp_path_factory, align):
     shard = _write(tmp_path_factory, {"image": ["a", "b"], "caption": ["a", "b"]})
-    shard = TarSample(path=shard.path, root=shard.root,
+    shard = Shard(path=shard.path, root=shard.root,
                       modalities=("image", "caption", "umt5"), count=None)
     rows = list(read_shard(shard, opts=ReadOptions(align=align, optional=("umt5",))))
     assert [(r[KEY], r["umt5"]) for r in rows] == [("a", None), ("b", None)]
@@ -434,7 +435,7 @@ def test_read_task_records_a_key_beyond_read_ahead_as_a_read_skip(tmp_path_facto
 
     case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}
     shard = _write(tmp_path_factory, case)
-    opts = ReadOptions(align="merge", window=2)
+    opts = ReadOptions(align="merge", read_ahead=2)
     [block] = list(read_item(shard, ReadItem(seq=10, sid=3, start=0, count=8), opts, 64,
                              on_error="skip"))
     rows = block.to_pylist()

@@ -9,7 +9,7 @@ two runs on the same data always see the same shard list.
 Columnar: a catalog keeps its shards as arrays, not objects. ``paths`` (the ``data_list``
 entries, one Arrow string array), ``counts`` (int64) and, per shard, the number of the wdinfo it
 came from; root, modalities, dataset and aspect bucket are stored once per wdinfo. A
-:class:`TarSample` is made only when a shard is touched (``catalog.shard(i)``,
+:class:`Shard` is made only when a shard is touched (``catalog.shard(i)``,
 ``catalog.shards[i]``), so a million-shard catalog loads in a fraction of a second and pickles
 (``ray.put``) as a handful of buffers. Big wdinfo files are read straight into those arrays:
 plainly written ones by :mod:`ray_ingest.catalog.scan` (vectorized), others by pyarrow's JSON
@@ -55,7 +55,7 @@ from ray_ingest.catalog.arrays import (
 from ray_ingest.catalog.discovery import _MANY_INDEXES, _counts_from_indexes
 from ray_ingest.catalog.shard import (
     DEFAULT_MODALITIES,
-    TarSample,
+    Shard,
     _ShardSeq,
     _tuple_of_str,
     warn_renamed,
@@ -71,8 +71,9 @@ log = logging.getLogger(__name__)
 
 
 @attrs.frozen
-class _Group:
-    """What shards of one wdinfo (or one legacy shard group) share."""
+class _Source:
+    """What the shards of one source share: one wdinfo, or shards given as objects with the same
+    root, modalities, dataset and bucket."""
 
     root: str
     modalities: tuple[str, ...]
@@ -86,43 +87,43 @@ class _Group:
 class Catalog:
     """All shards of one or more datasets, in a stable order, with a content fingerprint.
 
-    Columnar (see the module docstring): ``paths``, ``counts``, ``group_index`` and small
-    per-wdinfo tables; ``shards``/``shard(i)`` make :class:`TarSample` objects on access.
+    Columnar (see the module docstring): ``paths``, ``counts``, ``source_index`` and small
+    per-wdinfo tables; ``shards``/``shard(i)`` make :class:`Shard` objects on access.
     ``load_catalog`` builds catalogs; this constructor builds one from shard objects.
     """
 
-    __slots__ = ("_complete", "_count_error", "_counts", "_fingerprint", "_group", "_groups",
+    __slots__ = ("_complete", "_count_error", "_counts", "_fingerprint", "_source", "_sources",
                  "_lock", "_modalities", "_paths", "_starts", "_storage", "_wdinfos",
                  "chunk_size")
 
-    def __init__(self, shards: Iterable[TarSample] = (), wdinfos: Sequence[Wdinfo] = (),
+    def __init__(self, shards: Iterable[Shard] = (), wdinfos: Sequence[Wdinfo] = (),
                  chunk_size: int | None = None, modalities: Iterable[str] | None = None, *,
                  keys: Iterable[str] | None = None) -> None:
         modalities = _modalities_arg(modalities, keys, "Catalog")  # type: ignore[arg-type]
         shards = list(shards)
-        codes: dict[_Group, int] = {}
-        group = np.empty(len(shards), dtype=np.int32)
+        codes: dict[_Source, int] = {}
+        source = np.empty(len(shards), dtype=np.int32)
         for i, s in enumerate(shards):
-            g = _Group(s.root, s.modalities, s.dset_id, s.bucket, s.sample_keys_full_list)
-            group[i] = codes.setdefault(g, len(codes))
+            g = _Source(s.root, s.modalities, s.dset_id, s.bucket, s.sample_keys_full_list)
+            source[i] = codes.setdefault(g, len(codes))
         counts = np.array([-1 if s.count is None else s.count for s in shards], dtype=np.int64)
         if chunk_size is None:
             chunk_size = wdinfos[0].chunk_size if wdinfos else 1
-        self._setup(_strings([s.path for s in shards]), counts, group,
+        self._setup(_strings([s.path for s in shards]), counts, source,
                     tuple(codes), tuple(wdinfos), None, int(chunk_size),
                     _tuple_of_str(modalities or (shards[0].modalities if shards
                                                  else DEFAULT_MODALITIES)), ())
 
-    def _setup(self, paths: pa.Array, counts: np.ndarray, group: np.ndarray,
-               groups: tuple[_Group, ...], wdinfos: tuple[Wdinfo, ...], starts: np.ndarray | None,
+    def _setup(self, paths: pa.Array, counts: np.ndarray, source: np.ndarray,
+               sources: tuple[_Source, ...], wdinfos: tuple[Wdinfo, ...], starts: np.ndarray | None,
                chunk_size: int, modalities: tuple[str, ...],
                storage: tuple[dict[str, Any], ...], fingerprint: str | None = None,
                count_error: str | None = None) -> None:
-        group.flags.writeable = False
+        source.flags.writeable = False
         self._paths = paths
         self._counts = counts
-        self._group = group
-        self._groups = groups
+        self._source = source
+        self._sources = sources
         self._wdinfos = wdinfos
         self._starts = starts
         self.chunk_size = chunk_size
@@ -150,11 +151,11 @@ class Catalog:
             for w, a in zip(wdinfos, starts, strict=False):
                 if w.counts is not None:
                     counts[a:a + len(w)] = w.counts
-        group = np.repeat(np.arange(len(wdinfos), dtype=np.int32), lengths)
-        groups = tuple(_Group(w.root, w.modalities, w.dset_id, w.bucket, None, i)
+        source = np.repeat(np.arange(len(wdinfos), dtype=np.int32), lengths)
+        sources = tuple(_Source(w.root, w.modalities, w.dset_id, w.bucket, None, i)
                        for i, w in enumerate(wdinfos))
         cat = object.__new__(cls)
-        cat._setup(paths, counts, group, groups, (), starts, wdinfos[0].chunk_size,
+        cat._setup(paths, counts, source, sources, (), starts, wdinfos[0].chunk_size,
                    _tuple_of_str(modalities or wdinfos[0].modalities),
                    tuple(storage_options or ({} for _ in wdinfos)))
         cat._wdinfos = cat._views(wdinfos)
@@ -180,14 +181,14 @@ class Catalog:
                             for w in self._wdinfos]
         else:
             wdinfos = self._wdinfos
-        return {"paths": paths, "counts": self._counts, "group": np.array(self._group),
-                "groups": self._groups, "wdinfos": wdinfos, "starts": self._starts,
+        return {"paths": paths, "counts": self._counts, "source": np.array(self._source),
+                "sources": self._sources, "wdinfos": wdinfos, "starts": self._starts,
                 "chunk_size": self.chunk_size, "modalities": self._modalities,
                 "storage": self._storage, "fingerprint": self._fingerprint,
                 "count_error": self._count_error}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._setup(state["paths"], state["counts"], state["group"], state["groups"], (),
+        self._setup(state["paths"], state["counts"], state["source"], state["sources"], (),
                     state["starts"], state["chunk_size"], state["modalities"], state["storage"],
                     state["fingerprint"], state["count_error"])
         if self._starts is None:
@@ -240,33 +241,33 @@ class Catalog:
         return self._paths.take(_ints(np.asarray(indices, dtype=np.int64))).to_pylist()
 
     @property
-    def group_index(self) -> np.ndarray:
-        """Per shard: its row in :attr:`groups` (the wdinfo it came from), int32, read-only."""
-        return self._group
+    def source_index(self) -> np.ndarray:
+        """Per shard: its row in :attr:`sources` (the wdinfo it came from), int32, read-only."""
+        return self._source
 
     @property
-    def groups(self) -> tuple[_Group, ...]:
+    def sources(self) -> tuple[_Source, ...]:
         """What the shards of each wdinfo share: root, modalities, dataset id, bucket."""
-        return self._groups
+        return self._sources
 
     @property
     def roots(self) -> tuple[str, ...]:
-        """Root in use per group (index with :attr:`group_index`)."""
-        return tuple(g.root for g in self._groups)
+        """Root in use per source (index with :attr:`source_index`)."""
+        return tuple(g.root for g in self._sources)
 
     @property
     def dataset_index(self) -> np.ndarray:
         """Per shard: the number of its dataset (``"dset: i"`` -> ``i``), int32."""
         ids: dict[str, int] = {}
         table = np.array([ids.setdefault(g.dset_id, _dset_number(g.dset_id, len(ids)))
-                          for g in self._groups], dtype=np.int32)
-        return table[self._group] if len(table) else np.zeros(0, dtype=np.int32)
+                          for g in self._sources], dtype=np.int32)
+        return table[self._source] if len(table) else np.zeros(0, dtype=np.int32)
 
     @property
     def buckets(self) -> np.ndarray:
         """Per shard: its aspect bucket label (``"16_9"``; ``""`` when unbucketed), object array."""
-        table = np.array([g.bucket or "" for g in self._groups] or [""], dtype=object)
-        return table[self._group]
+        table = np.array([g.bucket or "" for g in self._sources] or [""], dtype=object)
+        return table[self._source]
 
     @property
     def known_counts(self) -> np.ndarray:
@@ -339,26 +340,26 @@ class Catalog:
         return sum(w.total_key_count for w in self._wdinfos)
 
     # --- shard objects --------------------------------------------------------------------
-    def shard(self, i: int) -> TarSample:
-        """Shard ``i`` as a :class:`TarSample` (made now; nothing per shard is kept)."""
+    def shard(self, i: int) -> Shard:
+        """Shard ``i`` as a :class:`Shard` (made now; nothing per shard is kept)."""
         n = len(self._paths)
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"shard index {i} out of range ({n} shards)")
-        g = self._groups[self._group[i]]
+        g = self._sources[self._source[i]]
         c = int(self._counts[i])
-        return TarSample(self._paths[i].as_py(), g.root, g.modalities, None if c < 0 else c,
+        return Shard(self._paths[i].as_py(), g.root, g.modalities, None if c < 0 else c,
                          g.dset_id, g.sample_keys_full_list, g.bucket)
 
     @property
-    def shards(self) -> Sequence[TarSample]:
-        """Every shard as a read-only sequence of :class:`TarSample`, made on access."""
+    def shards(self) -> Sequence[Shard]:
+        """Every shard as a read-only sequence of :class:`Shard`, made on access."""
         return _ShardSeq(self.shard, len(self._paths))
 
     def url(self, i: int, modality: str) -> str:
         """URL of shard ``i``'s tar for ``modality``."""
-        return join_url(self._groups[self._group[i]].root, modality, self.path(i))
+        return join_url(self._sources[self._source[i]].root, modality, self.path(i))
 
     # --- fingerprint ----------------------------------------------------------------------
     @property
@@ -368,7 +369,7 @@ class Catalog:
         if self._fingerprint is None:
             self._try_counts()
             self._fingerprint = _fingerprint(self._modalities, self._paths, self._counts,
-                                             self._group, self._groups)
+                                             self._source, self._sources)
         return self._fingerprint
 
     def describe_change(self, other_fingerprint_doc: dict[str, Any]) -> str:
@@ -409,7 +410,7 @@ _JSON_PLAIN[[0x22, 0x5C]] = False
 
 
 def _fingerprint(modalities: Sequence[str], paths: pa.Array, counts: np.ndarray,
-                 group: np.ndarray, groups: Sequence[_Group]) -> str:
+                 source: np.ndarray, sources: Sequence[_Source]) -> str:
     """sha256(json(modalities) + json([dset_id, path, count]) per shard)[:16], vectorised.
 
     The same bytes as hashing ``json.dumps([s.dset_id, s.path, s.count])`` shard by shard
@@ -427,16 +428,16 @@ def _fingerprint(modalities: Sequence[str], paths: pa.Array, counts: np.ndarray,
     if not _JSON_PLAIN[data].all():
         for i, p in enumerate(paths.to_pylist()):
             c = int(counts[i])
-            h.update(json.dumps([groups[group[i]].dset_id, p, None if c < 0 else c]).encode())
+            h.update(json.dumps([sources[source[i]].dset_id, p, None if c < 0 else c]).encode())
         return h.hexdigest()[:16]
-    heads = [f"[{json.dumps(g.dset_id)}, \"" for g in groups]
+    heads = [f"[{json.dumps(g.dset_id)}, \"" for g in sources]
     one_head = _text(heads[0]) if len(set(heads)) == 1 else None
     sep, end, null = _text('", '), _text("]"), _text("null")
     for a in range(0, len(paths), _FINGERPRINT_CHUNK):
         part = paths.slice(a, _FINGERPRINT_CHUNK)
         c = counts[a:a + len(part)]
         head = one_head if one_head is not None else _strings(heads).take(
-            _ints(group[a:a + len(part)]))
+            _ints(source[a:a + len(part)]))
         text = pc.cast(_ints(c), pa.string())
         if (c < 0).any():
             text = pc.if_else(_bools(c < 0), null, text)

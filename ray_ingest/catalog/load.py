@@ -117,7 +117,7 @@ def load_catalog(
             w = read_wdinfo(url, modalities=ds_mods or DEFAULT_MODALITIES, dset_id=f"dset: {i}",
                             storage_options=so, root=root)
             if ds_mods is None:
-                all_mods = w.data_keys or DEFAULT_MODALITIES
+                all_mods = w.listed_modalities or DEFAULT_MODALITIES
                 w = w._replace(modalities=all_mods)
             wdinfos.append(w)
             options.append(so)

@@ -1,6 +1,6 @@
 """One shard of a twin-tar dataset, and the per-dataset options shards share.
 
-A :class:`TarSample` names one shard (its ``data_list`` path, the root its modality folders
+A :class:`Shard` names one shard (its ``data_list`` path, the root its modality folders
 live under, its modalities and aspect bucket); the catalog makes them only when a shard is
 touched. Also here: the root modes and the log-once notice the catalog's modules share.
 No Ray, no torch.
@@ -123,7 +123,7 @@ class DatasetInfo:
 
 
 @attrs.frozen
-class TarSample:
+class Shard:
     """One twin shard: the same relative ``path`` exists under ``root/<m>/`` for every modality."""
 
     #: Relative tar path as listed in ``data_list`` (e.g. ``part_000000/000003.tar``).
@@ -146,18 +146,18 @@ class TarSample:
                  sample_keys_full_list: str | None = None, bucket: str | None = None, *,
                  keys: Iterable[str] | None = None) -> None:
         if keys is not None:
-            warn_renamed("TarSample(keys=...)", "modalities")
+            warn_renamed("Shard(keys=...)", "modalities")
             if modalities is not None:
-                raise CatalogError("TarSample: got both modalities and its old name keys")
+                raise CatalogError("Shard: got both modalities and its old name keys")
             modalities = keys
         if modalities is None:
-            raise CatalogError(f"TarSample {path}: expected modalities, got none")
+            raise CatalogError(f"Shard {path}: expected modalities, got none")
         self.__attrs_init__(path, root, modalities, count, dset_id, sample_keys_full_list, bucket)
 
     @property
     def keys(self) -> tuple[str, ...]:
         """Deprecated name of :attr:`modalities`."""
-        warn_renamed("TarSample.keys", "modalities")
+        warn_renamed("Shard.keys", "modalities")
         return self.modalities
 
     def url(self, modality: str) -> str:
@@ -166,11 +166,11 @@ class TarSample:
 
 
 class _ShardSeq(Sequence):
-    """Read-only sequence of :class:`TarSample` made on access (``catalog.shards``)."""
+    """Read-only sequence of :class:`Shard` made on access (``catalog.shards``)."""
 
     __slots__ = ("_make", "_n")
 
-    def __init__(self, make: Callable[[int], TarSample], n: int) -> None:
+    def __init__(self, make: Callable[[int], Shard], n: int) -> None:
         self._make = make
         self._n = n
 
@@ -187,7 +187,7 @@ class _ShardSeq(Sequence):
             raise IndexError(f"shard index {index} out of range ({self._n} shards)")
         return self._make(i)
 
-    def __iter__(self) -> Iterator[TarSample]:
+    def __iter__(self) -> Iterator[Shard]:
         return (self._make(i) for i in range(self._n))
 
     def __repr__(self) -> str:

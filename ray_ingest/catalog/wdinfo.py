@@ -23,7 +23,7 @@ from ray_ingest.catalog.arrays import _count_view, _offsets, _string_array, _str
 from ray_ingest.catalog.scan import scan_wdinfo
 from ray_ingest.catalog.shard import (
     DEFAULT_MODALITIES,
-    TarSample,
+    Shard,
     _bucket_of,
     _notice,
     _ShardSeq,
@@ -51,19 +51,19 @@ class Wdinfo:
     """One parsed wdinfo.json (PiD's ``Wdinfo``), columnar, plus where it came from.
 
     ``paths`` is an Arrow string array of the ``data_list`` entries; ``counts`` an int64 array
-    (None while unknown); ``tar_files`` makes :class:`TarSample` objects on access.
+    (None while unknown); ``tar_files`` makes :class:`Shard` objects on access.
     """
 
-    __slots__ = ("bucket", "chunk_size", "count_source", "counts", "data_keys", "dset_id",
+    __slots__ = ("bucket", "chunk_size", "count_source", "counts", "dset_id", "listed_modalities",
                  "modalities", "paths", "root", "source", "total_key_count", "wdinfo_root")
 
     def __init__(
         self,
         source: str,
-        tar_files: Sequence[TarSample] | None = None,
+        tar_files: Sequence[Shard] | None = None,
         total_key_count: int = 0,
         chunk_size: int = 1,
-        data_keys: Iterable[str] = (),
+        listed_modalities: Iterable[str] = (),
         *,
         paths: pa.Array | Sequence[str] | None = None,
         counts: np.ndarray | Sequence[int] | None = None,
@@ -91,10 +91,10 @@ class Wdinfo:
         self.count_source = count_source if self.counts is not None else None
         self.total_key_count = int(total_key_count)
         self.chunk_size = int(chunk_size)
-        self.data_keys = _tuple_of_str(data_keys)
+        self.listed_modalities = _tuple_of_str(listed_modalities)
         self.root = root if root is not None else url_dirname(source)
         self.wdinfo_root = wdinfo_root if wdinfo_root is not None else self.root
-        self.modalities = _tuple_of_str(modalities or self.data_keys or DEFAULT_MODALITIES)
+        self.modalities = _tuple_of_str(modalities or self.listed_modalities or DEFAULT_MODALITIES)
         self.dset_id = dset_id
         self.bucket = bucket
 
@@ -123,19 +123,19 @@ class Wdinfo:
         """The folder holding this wdinfo.json."""
         return url_dirname(self.source)
 
-    def shard(self, i: int) -> TarSample:
-        """Shard ``i`` of this wdinfo as a :class:`TarSample`."""
+    def shard(self, i: int) -> Shard:
+        """Shard ``i`` of this wdinfo as a :class:`Shard`."""
         count = None if self.counts is None else int(self.counts[i])
-        return TarSample(self.paths[i].as_py(), self.root, self.modalities, count, self.dset_id,
+        return Shard(self.paths[i].as_py(), self.root, self.modalities, count, self.dset_id,
                          None, self.bucket)
 
     @property
-    def tar_files(self) -> Sequence[TarSample]:
-        """The shards as :class:`TarSample` objects, made on access."""
+    def tar_files(self) -> Sequence[Shard]:
+        """The shards as :class:`Shard` objects, made on access."""
         return _ShardSeq(self.shard, len(self.paths))
 
     def urls(self, modality: str, start: int = 0, stop: int | None = None) -> list[str]:
-        """Tar URLs of shards ``[start, stop)`` for ``modality`` (vectorised ``TarSample.url``)."""
+        """Tar URLs of shards ``[start, stop)`` for ``modality`` (vectorised ``Shard.url``)."""
         import pyarrow.compute as pc
 
         stop = len(self.paths) if stop is None else stop
@@ -254,7 +254,7 @@ def _make_wdinfo(url: str, paths: pa.Array, counts: np.ndarray | None, total: in
                 "(total_key_count %d = chunk_size x %d shards, PiD's assumption)",
                 url, chunk, total, n)
     return Wdinfo(
-        url, total_key_count=total, chunk_size=chunk, data_keys=data_keys, paths=paths,
+        url, total_key_count=total, chunk_size=chunk, listed_modalities=data_keys, paths=paths,
         counts=counts, count_source=source,
         root=folder if root_mode == "folder" else wdinfo_root, wdinfo_root=wdinfo_root,
         modalities=modalities or DEFAULT_MODALITIES, dset_id=dset_id, bucket=_bucket_of(url))

@@ -31,7 +31,7 @@ _D = DEFAULT_SETTINGS
 @click.command("plan")
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--world-size", type=int, required=True, help="Number of training ranks.")
-@click.option("--num-workers", type=int, required=True, help="Loader workers per rank.")
+@click.option("--read-workers", type=int, required=True, help="Loader workers per rank.")
 @click.option("--group-size", type=int, default=1, show_default=True,
               help="Ranks per data-parallel group (TP*CP*PP); they read identical lists.")
 @click.option("--rank", type=int, default=None, help="Only this rank.")
@@ -56,7 +56,7 @@ _D = DEFAULT_SETTINGS
 def command(
     paths: tuple[str, ...],
     world_size: int,
-    num_workers: int,
+    read_workers: int,
     group_size: int,
     rank: int | None,
     worker: int | None,
@@ -81,7 +81,7 @@ def command(
         raise ConfigError("--rank/--worker: expected both (or --json), got "
                           f"rank={rank} worker={worker}")
     # Validate the whole selection up front; errors name the Topology field.
-    topo = Topology(world_size=world_size, rank=rank or 0, num_workers=num_workers,
+    topo = Topology(world_size=world_size, rank=rank or 0, read_workers=read_workers,
                     worker_id=worker or 0, group_size=group_size)
     params = PlanParams(seed=seed, seed_mode=seed_mode, shuffle=shuffle, repeat=repeat,
                         equal_work=_D.equal_work, start_index=start_index)
@@ -89,12 +89,12 @@ def command(
     n = len(catalog.paths)
     order = base_order(n, params, epoch)
     ranks = range(world_size) if rank is None else [rank]
-    workers = range(num_workers) if worker is None else [worker]
+    workers = range(read_workers) if worker is None else [worker]
     slot, lists = -1, ()
     for r in ranks:
         if r // topo.group_size != slot:  # ranks of one group share their lists
             slot = r // topo.group_size
-            lists = assign_slot(n, catalog.chunk_size, slot, topo.slots, num_workers, params,
+            lists = assign_slot(n, catalog.chunk_size, slot, topo.slots, read_workers, params,
                                 epoch, order)
         for w in workers:
             names = catalog.paths_at(lists[w].shards)

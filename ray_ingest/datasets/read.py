@@ -20,7 +20,7 @@ import ray
 
 from ray_ingest.catalog.discovery import discover
 from ray_ingest.catalog.load import load_catalog
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import DecodeConfig
 from ray_ingest.errors import ConfigError
 from ray_ingest.execution.raydata import ReadUnit, TwinTarDatasource, decode_udf
@@ -78,7 +78,7 @@ def _schema(modalities: Sequence[str], with_sid: bool) -> pa.Schema:
     return pa.schema(fields)
 
 
-def _unit(shard: TarSample, sid: int, leaf: str, count: int | None) -> ReadUnit:
+def _unit(shard: Shard, sid: int, leaf: str, count: int | None) -> ReadUnit:
     """A whole shard (``count`` None: read to its end, the wdinfo has no per-shard counts)."""
     item = ReadItem(seq=0, sid=sid, start=0, count=TO_END if count is None else count)
     return ReadUnit(shard, item, constants=((LEAF, leaf),))
@@ -120,9 +120,9 @@ def _leaves(paths: Sequence[str], storage_options: Mapping[str, Any]) -> dict[st
 
 def _default_decode(modalities: Sequence[str]) -> DecodeConfig:
     return DecodeConfig(
-        image_key="image" if "image" in modalities else None,
-        caption_key="caption" if "caption" in modalities else None,
-        embedding_key=next((m for m in ("umt5", "t5", "embedding") if m in modalities), None),
+        image_modality="image" if "image" in modalities else None,
+        caption_modality="caption" if "caption" in modalities else None,
+        embedding_modality=next((m for m in ("umt5", "t5", "embedding") if m in modalities), None),
     )
 
 
@@ -133,8 +133,7 @@ class _DecodeColumns:
         from ray_ingest.decode.decoder import Decoder
 
         self.decoder = Decoder(cfg, seed=seed, on_error="raise")
-        self.decoded = tuple(k for k in (cfg.image_key, cfg.caption_key, cfg.embedding_key)
-                             if k is not None)
+        self.decoded = cfg.decoded_modalities
 
     def __call__(self, batch: pa.Table) -> dict[str, Any]:
         out = self.decoder(batch)
@@ -235,7 +234,7 @@ def read_twin_tars(
     elif decode is not False:
         raise ConfigError(f"decode: expected a bool or a DecodeConfig, got {decode!r}")
     if cfg is not None:
-        wanted = [k for k in (cfg.image_key, cfg.caption_key, cfg.embedding_key) if k]
+        wanted = cfg.decoded_modalities
         unknown = [k for k in wanted if k not in catalog.modalities]
         if unknown:
             raise ConfigError(f"decode: modalities {unknown} are not read "

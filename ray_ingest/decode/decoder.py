@@ -175,47 +175,46 @@ class Decoder:
     def decode_row(self, row: dict[str, Any]) -> dict[str, Any]:
         cfg = self.cfg
         out: dict[str, Any] = {}
-        for modality in (cfg.image_key, cfg.caption_key, cfg.embedding_key):
-            if modality is None:
-                continue
+        for modality in cfg.decoded_modalities:
             data = row.get(modality)
             if data is not None and len(data) > cfg.max_member_bytes:
                 raise SampleError(
                     f"{modality}: member of {len(data)} bytes exceeds decode.max_member_bytes "
                     f"({cfg.max_member_bytes})"
                 )
-        if cfg.image_key is not None:
-            data = row[cfg.image_key]
+        if cfg.image_modality is not None:
+            data = row[cfg.image_modality]
             if data is None:
-                raise SampleError(f"{cfg.image_key}: missing member")
+                raise SampleError(f"{cfg.image_modality}: missing member")
             geom = self.geometry(row.get(BUCKET) or "")
             seed = None
             if geom.crop == "random":  # a center crop draws nothing
                 epoch = row.get(EPOCH)
                 seed = sample_seed(self.seed, self.epoch if epoch is None else epoch, row[SID],
                                    row[INDEX])
-            out[cfg.image_key] = self._image(data, row[ext_column(cfg.image_key)], geom, seed)
-        if cfg.caption_key is not None:
-            data = row[cfg.caption_key]
-            out[cfg.caption_key] = "" if data is None else caption_text(
-                data, row[ext_column(cfg.caption_key)])
-        if cfg.embedding_key is not None:
-            data = row.get(cfg.embedding_key)
-            out[cfg.embedding_key] = None if data is None else load_array(
-                data, row[ext_column(cfg.embedding_key)], cfg.allow_pickle)
+            ext = row[ext_column(cfg.image_modality)]
+            out[cfg.image_modality] = self._image(data, ext, geom, seed)
+        if cfg.caption_modality is not None:
+            data = row[cfg.caption_modality]
+            out[cfg.caption_modality] = "" if data is None else caption_text(
+                data, row[ext_column(cfg.caption_modality)])
+        if cfg.embedding_modality is not None:
+            data = row.get(cfg.embedding_modality)
+            out[cfg.embedding_modality] = None if data is None else load_array(
+                data, row[ext_column(cfg.embedding_modality)], cfg.allow_pickle)
         return out
 
     def placeholder(self, row: dict[str, Any]) -> dict[str, Any]:
         """Output of a skipped sample: right shapes, zero content, never delivered to training."""
         cfg = self.cfg
         out: dict[str, Any] = {}
-        if cfg.image_key is not None:
+        if cfg.image_modality is not None:
             geom = self.geometry(row.get(BUCKET) or "")
-            out[cfg.image_key] = np.zeros((geom.height, geom.width, 3), np.uint8)
-        if cfg.caption_key is not None:
-            out[cfg.caption_key] = ""
-        if cfg.embedding_key is not None:
-            out[cfg.embedding_key] = None
+            out[cfg.image_modality] = np.zeros((geom.height, geom.width, 3), np.uint8)
+        if cfg.caption_modality is not None:
+            out[cfg.caption_modality] = ""
+        if cfg.embedding_modality is not None:
+            out[cfg.embedding_modality] = None
         return out
 
     def __call__(self, batch: pa.Table | dict[str, list[Any]]) -> dict[str, np.ndarray]:
@@ -265,22 +264,23 @@ class Decoder:
             if rows and col in rows[0]:
                 values = [r[col] for r in rows]
                 out[col] = np.array(values, dtype=object if isinstance(values[0], str) else None)
-        if cfg.image_key is not None:
-            images = [d[cfg.image_key] for d in decoded]
+        if cfg.image_modality is not None:
+            images = [d[cfg.image_modality] for d in decoded]
             shapes = {im.shape for im in images}
             if len(shapes) <= 1:
-                out[cfg.image_key] = (np.stack(images) if images
-                                      else np.zeros((0, 1, 1, 3), np.uint8))
+                out[cfg.image_modality] = (np.stack(images) if images
+                                           else np.zeros((0, 1, 1, 3), np.uint8))
             else:
                 arr = np.empty(n, dtype=object)
                 arr[:] = images
-                out[cfg.image_key] = arr
-        if cfg.caption_key is not None:
-            out[cfg.caption_key] = np.array([d[cfg.caption_key] for d in decoded], dtype=object)
-        if cfg.embedding_key is not None:
+                out[cfg.image_modality] = arr
+        if cfg.caption_modality is not None:
+            captions = [d[cfg.caption_modality] for d in decoded]
+            out[cfg.caption_modality] = np.array(captions, dtype=object)
+        if cfg.embedding_modality is not None:
             arr = np.empty(n, dtype=object)
-            arr[:] = [d[cfg.embedding_key] for d in decoded]
-            out[cfg.embedding_key] = arr
+            arr[:] = [d[cfg.embedding_modality] for d in decoded]
+            out[cfg.embedding_modality] = arr
         out[ERROR] = np.array(errors, dtype=object)
         out[ACTOR] = np.array([self.actor_id] * n, dtype=object)
         out[NODE] = np.array([self.node_id] * n, dtype=object)

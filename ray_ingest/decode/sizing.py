@@ -38,7 +38,7 @@ def decoded_sample_bytes(cfg: DecodeConfig) -> int:
     """Bytes of one decoded image (uint8 RGB) at the largest configured output shape."""
     shapes = [(cfg.resolution, cfg.resolution)]
     shapes += [bucket_shape(parse_bucket(b), cfg.resolution) for b in cfg.buckets]
-    return max(h * w * 3 for h, w in shapes) if cfg.image_key is not None else 0
+    return max(h * w * 3 for h, w in shapes) if cfg.image_modality is not None else 0
 
 
 def block_rows(cfg: Config) -> int:

@@ -30,7 +30,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from ray_ingest.catalog.catalog import Catalog
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config, DecodeConfig
 from ray_ingest.decode.decoder import Decoder
 from ray_ingest.decode.sizing import block_rows
@@ -220,7 +220,7 @@ class ReadUnit:
     """One shard slice a read task reads (``item`` of ``shard``), plus columns that are constant
     over it (``read_twin_tars``' ``__leaf__``)."""
 
-    shard: TarSample
+    shard: Shard
     item: ReadItem
     constants: tuple[tuple[str, str], ...] = ()
 

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from ray_ingest import metrics
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.columns import (
     BUCKET,
     BYTES,
@@ -82,7 +82,7 @@ def block_schema(modalities: Sequence[str]) -> pa.Schema:
 
 
 def read_item(
-    shard: TarSample,
+    shard: Shard,
     item: ReadItem,
     opts: ReadOptions,
     block_rows: int,
@@ -101,7 +101,7 @@ def read_item(
         yield from _read_item(shard, item, opts, block_rows, on_error, log_skips, arrow)
 
 
-def _read_item(shard: TarSample, item: ReadItem, opts: ReadOptions, block_rows: int,
+def _read_item(shard: Shard, item: ReadItem, opts: ReadOptions, block_rows: int,
                on_error: str, log_skips: bool, arrow: bool) -> Iterator[Any]:
     schema = block_schema(shard.modalities)
     names = schema.names

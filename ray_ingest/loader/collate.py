@@ -21,7 +21,8 @@ class Batch:
     """One training batch: tensors (on the device) plus per-sample provenance."""
 
     data: dict[str, Any]
-    keys: list[str]
+    #: Sample keys (``__key__``), one per row.
+    sample_keys: list[str]
     captions: list[str] | None
     sids: list[int]
     indices: list[int]
@@ -47,13 +48,13 @@ def to_batch(cols: dict[str, np.ndarray], cfg: DecodeConfig, device: Any, *, buc
     import torch
 
     data: dict[str, Any] = {}
-    tensor_keys = [k for k in (cfg.image_key,) if k is not None]
-    if cfg.embedding_key is not None and cols.get(cfg.embedding_key) is not None:
-        emb = cols[cfg.embedding_key]
+    tensor_keys = [k for k in (cfg.image_modality,) if k is not None]
+    if cfg.embedding_modality is not None and cols.get(cfg.embedding_modality) is not None:
+        emb = cols[cfg.embedding_modality]
         if emb.dtype != object:
-            tensor_keys.append(cfg.embedding_key)
+            tensor_keys.append(cfg.embedding_modality)
         else:
-            data[cfg.embedding_key] = list(emb)
+            data[cfg.embedding_modality] = list(emb)
     for k in tensor_keys:
         arr = cols[k]
         if arr.dtype == object:
@@ -63,11 +64,11 @@ def to_batch(cols: dict[str, np.ndarray], cfg: DecodeConfig, device: Any, *, buc
             t = t.pin_memory().to(device, non_blocking=True)
         data[k] = t
     captions = None
-    if cfg.caption_key is not None and cfg.caption_key in cols:
-        captions = [str(c) for c in cols[cfg.caption_key]]
+    if cfg.caption_modality is not None and cfg.caption_modality in cols:
+        captions = [str(c) for c in cols[cfg.caption_modality]]
     return Batch(
         data=data,
-        keys=[str(k) for k in cols[KEY]],
+        sample_keys=[str(k) for k in cols[KEY]],
         captions=captions,
         sids=[int(s) for s in cols[SID]],
         indices=[int(i) for i in cols[INDEX]],

@@ -195,7 +195,7 @@ def encode_batch(batch: Batch, positions: Sequence[int]) -> tuple[dict[str, Any]
                            for a in arrays)
     header = {
         "epoch": batch.epoch, "step": batch.step_in_epoch, "bucket": batch.bucket,
-        "keys": batch.keys, "captions": batch.captions, "sids": batch.sids,
+        "sample_keys": batch.sample_keys, "captions": batch.captions, "sids": batch.sids,
         "indices": batch.indices, "pads": batch.pads,
         "skipped": [list(s) for s in batch.skipped],
         "positions": [int(p) for p in positions], "fields": fields,
@@ -216,7 +216,7 @@ def decode_batch(header: dict[str, Any], tensors: list[Any], device: Any = None
         else:
             data[name] = [np.frombuffer(next(it).cpu().numpy().tobytes(), dtype=np.dtype(dt))
                           .reshape(shape) for dt, shape in field[2]]
-    batch = Batch(data=data, keys=list(header["keys"]), captions=header["captions"],
+    batch = Batch(data=data, sample_keys=list(header["sample_keys"]), captions=header["captions"],
                   sids=list(header["sids"]), indices=list(header["indices"]),
                   pads=list(header["pads"]), bucket=header["bucket"], epoch=header["epoch"],
                   step_in_epoch=header["step"],

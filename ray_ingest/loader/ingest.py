@@ -256,8 +256,8 @@ class IngestLoader:
                     self.skips.count(batch.skipped)
                 self.progress.deliver(consumed, batch.skipped)  # only now is it consumed
                 self.clock.batches += 1
-                self.clock.samples += len(batch.keys)
-                self.recorder.on_batch(len(batch.keys))
+                self.clock.samples += len(batch.sample_keys)
+                self.recorder.on_batch(len(batch.sample_keys))
                 yield batch
         finally:
             if ahead is not None:

@@ -108,30 +108,30 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def worker_seed(seed_mode: str, seed: int, epoch: int, slot: int, worker: int,
-                num_workers: int) -> int:
+                read_workers: int) -> int:
     """Seed of ``random.Random`` for one worker list.
 
-    ``pid``: ``slot * num_workers + worker`` (PiD; ``seed`` and ``epoch`` unused).
+    ``pid``: ``slot * read_workers + worker`` (PiD; ``seed`` and ``epoch`` unused).
     ``epoch``: sha256(``"ray_ingest:{seed}:{epoch}:{slot}:{worker}"``)[:8] as a big-endian int.
     """
     if check_seed_mode("seed_mode", seed_mode) == "pid":
-        return slot * num_workers + worker
+        return slot * read_workers + worker
     return _digest64(f"ray_ingest:{seed}:{epoch}:{slot}:{worker}")
 
 
-def extended_length(num_shards: int, slots: int, num_workers: int, repeat: bool) -> int:
+def extended_length(num_shards: int, slots: int, read_workers: int, repeat: bool) -> int:
     """Length of the (virtual) extended list: ``ceil(N/T)*T`` with repeat, else ``N``."""
     if not repeat or num_shards == 0:
         return num_shards
-    t = slots * num_workers
+    t = slots * read_workers
     return -(-num_shards // t) * t
 
 
-def skip_count(start_index: int, chunk_size: int, num_workers: int) -> int:
+def skip_count(start_index: int, chunk_size: int, read_workers: int) -> int:
     """Entries PiD drops from the head of each worker list: ``start_index // chunk_size // K``."""
     check_int("start_index", start_index, 0)
     check_int("chunk_size", chunk_size, 1)
-    return (start_index // chunk_size) // num_workers
+    return (start_index // chunk_size) // read_workers
 
 
 def _start_index(inst: object, attribute: attrs.Attribute, value: object) -> None:
@@ -148,7 +148,7 @@ class PlanParams(PlanSettings):
     """
 
     SECTION = "PlanParams"
-    #: PiD's ``WDS_START_INDEX``: drop ``start_index // chunk_size // num_workers`` shards
+    #: PiD's ``WDS_START_INDEX``: drop ``start_index // chunk_size // read_workers`` shards
     #: from the head of every worker list. 0 disables it.
     start_index: int = attrs.field(default=0, validator=_start_index)
 
@@ -179,16 +179,16 @@ class WorkerShards:
         return len(self.shards)
 
 
-def _check_grid(num_shards: int, chunk_size: int, slots: int, num_workers: int,
+def _check_grid(num_shards: int, chunk_size: int, slots: int, read_workers: int,
                 params: PlanParams, epoch: int) -> int:
     """Validate the common arguments; return the per-worker skip."""
     check_int("num_shards", num_shards, 0)
     check_int("slots", slots, 1)
-    check_int("num_workers", num_workers, 1)
+    check_int("read_workers", read_workers, 1)
     check_int("epoch", epoch, 0)
     if not isinstance(params, PlanParams):
         raise ConfigError(f"params: expected a PlanParams, got {type(params).__name__}")
-    return skip_count(params.start_index, chunk_size, num_workers)
+    return skip_count(params.start_index, chunk_size, read_workers)
 
 
 def base_order(num_shards: int, params: PlanParams, epoch: int) -> np.ndarray | None:
@@ -198,11 +198,11 @@ def base_order(num_shards: int, params: PlanParams, epoch: int) -> np.ndarray | 
     return epoch_order(num_shards, params.seed, epoch)
 
 
-def _worker(num_shards: int, slot: int, slots: int, worker: int, num_workers: int,
+def _worker(num_shards: int, slot: int, slots: int, worker: int, read_workers: int,
             params: PlanParams, epoch: int, skip: int, order: np.ndarray | None) -> WorkerShards:
-    ext = extended_length(num_shards, slots, num_workers, params.repeat)
+    ext = extended_length(num_shards, slots, read_workers, params.repeat)
     first = slot + slots * worker
-    stride = slots * num_workers
+    stride = slots * read_workers
     n = max(0, -(-(ext - first) // stride))
     pos = np.arange(n, dtype=np.int64) * stride + first
     idx = pos % num_shards if num_shards else pos
@@ -211,7 +211,7 @@ def _worker(num_shards: int, slot: int, slots: int, worker: int, num_workers: in
     if params.shuffle and n > 1:
         # Random.shuffle's swaps do not depend on the content: shuffle positions, then gather.
         perm = list(range(n))
-        seed = worker_seed(params.seed_mode, params.seed, epoch, slot, worker, num_workers)
+        seed = worker_seed(params.seed_mode, params.seed, epoch, slot, worker, read_workers)
         random.Random(seed).shuffle(perm)
         shards = [shards[i] for i in perm]
         pad = [pad[i] for i in perm]
@@ -224,7 +224,7 @@ def assign_slot(
     chunk_size: int,
     slot: int,
     slots: int,
-    num_workers: int,
+    read_workers: int,
     params: PlanParams = DEFAULT_PARAMS,
     epoch: int = 0,
     order: np.ndarray | None = None,
@@ -236,7 +236,7 @@ def assign_slot(
         chunk_size: Samples per shard for PiD's start-index skip (``catalog.chunk_size``).
         slot: Data-parallel group id, ``0 <= slot < slots``.
         slots: Number of data-parallel groups.
-        num_workers: Loader workers per rank (K).
+        read_workers: Loader workers per rank (K).
         params: Seed, seed mode, shuffle, repeat and start index.
         epoch: Epoch number (seeds the order in ``epoch`` mode; unused in ``pid`` mode).
         order: A precomputed :func:`base_order` to reuse across slots (optional).
@@ -244,13 +244,13 @@ def assign_slot(
     Returns:
         One :class:`WorkerShards` per worker, in worker order.
     """
-    skip = _check_grid(num_shards, chunk_size, slots, num_workers, params, epoch)
+    skip = _check_grid(num_shards, chunk_size, slots, read_workers, params, epoch)
     check_int("slot", slot, 0, slots, "slots")
     if order is None:
         order = base_order(num_shards, params, epoch)
     return tuple(
-        _worker(num_shards, slot, slots, w, num_workers, params, epoch, skip, order)
-        for w in range(num_workers)
+        _worker(num_shards, slot, slots, w, read_workers, params, epoch, skip, order)
+        for w in range(read_workers)
     )
 
 
@@ -260,32 +260,32 @@ def assign_worker(
     slot: int,
     slots: int,
     worker: int,
-    num_workers: int,
+    read_workers: int,
     params: PlanParams = DEFAULT_PARAMS,
     epoch: int = 0,
     order: np.ndarray | None = None,
 ) -> WorkerShards:
     """One (slot, worker) list; arguments as in :func:`assign_slot`."""
-    skip = _check_grid(num_shards, chunk_size, slots, num_workers, params, epoch)
+    skip = _check_grid(num_shards, chunk_size, slots, read_workers, params, epoch)
     check_int("slot", slot, 0, slots, "slots")
-    check_int("worker", worker, 0, num_workers, "num_workers")
+    check_int("worker", worker, 0, read_workers, "read_workers")
     if order is None:
         order = base_order(num_shards, params, epoch)
-    return _worker(num_shards, slot, slots, worker, num_workers, params, epoch, skip, order)
+    return _worker(num_shards, slot, slots, worker, read_workers, params, epoch, skip, order)
 
 
 def assign_epoch(
     num_shards: int,
     chunk_size: int,
     slots: int,
-    num_workers: int,
+    read_workers: int,
     params: PlanParams = DEFAULT_PARAMS,
     epoch: int = 0,
 ) -> list[tuple[WorkerShards, ...]]:
     """Worker lists of every slot (tests, audits, the CLI); arguments as in :func:`assign_slot`."""
-    _check_grid(num_shards, chunk_size, slots, num_workers, params, epoch)
+    _check_grid(num_shards, chunk_size, slots, read_workers, params, epoch)
     order = base_order(num_shards, params, epoch)
-    return [assign_slot(num_shards, chunk_size, s, slots, num_workers, params, epoch, order)
+    return [assign_slot(num_shards, chunk_size, s, slots, read_workers, params, epoch, order)
             for s in range(slots)]
 
 
@@ -293,7 +293,7 @@ def assign(num_shards: int, chunk_size: int, topology: Topology,
            params: PlanParams = DEFAULT_PARAMS, epoch: int = 0) -> WorkerShards:
     """The list of the worker a :class:`Topology` names (its ``slot`` and ``worker_id``)."""
     return assign_worker(num_shards, chunk_size, topology.slot, topology.slots,
-                         topology.worker_id, topology.num_workers, params, epoch)
+                         topology.worker_id, topology.read_workers, params, epoch)
 
 
 def shard_paths(paths: Sequence[str], worker: WorkerShards) -> list[str]:

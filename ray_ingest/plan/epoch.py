@@ -137,7 +137,7 @@ def plan_epoch_reads(
     if len(state.generations) == 1:
         if shard_bucket is not None:
             # a slot's batch count depends on how every slot's samples fall into buckets
-            streams = plan_epoch(counts, chunk_size, gen.slots, gen.num_workers, params,
+            streams = plan_epoch(counts, chunk_size, gen.slots, gen.read_workers, params,
                                  state.epoch)
             stream = streams[slot]
         else:

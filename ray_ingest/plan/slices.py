@@ -148,7 +148,7 @@ def slot_totals(
     counts: Sequence[int] | np.ndarray,
     chunk_size: int,
     slots: int,
-    num_workers: int,
+    read_workers: int,
     params: PlanParams = DEFAULT_PARAMS,
     epoch: int = 0,
     order: np.ndarray | None = None,
@@ -163,29 +163,29 @@ def slot_totals(
     arr = _counts_array(counts)
     n = arr.size
     check_int("slots", slots, 1)
-    check_int("num_workers", num_workers, 1)
+    check_int("read_workers", read_workers, 1)
     if order is None:
         order = base_order(n, params, epoch)
-    skip = skip_count(params.start_index, chunk_size, num_workers)
+    skip = skip_count(params.start_index, chunk_size, read_workers)
     ordered = arr if order is None else arr[order]
-    ext_size = extended_length(n, slots, num_workers, params.repeat)
+    ext_size = extended_length(n, slots, read_workers, params.repeat)
     totals = np.zeros(slots, dtype=np.int64)
     _fold(ordered, 0, totals)
-    if ext_size > n:  # the cyclic-repeat extras (fewer than slots * num_workers)
+    if ext_size > n:  # the cyclic-repeat extras (fewer than slots * read_workers)
         _fold(np.resize(ordered, ext_size - n), n, totals)
     if skip and ext_size:
         # The skipped head of each worker list depends on that worker's shuffle: replay the
         # same shuffle of positions as assign._worker and subtract what it drops.
-        stride = slots * num_workers
+        stride = slots * read_workers
         dropped: list[int] = []
         for slot in range(slots):
-            for w in range(num_workers):
+            for w in range(read_workers):
                 first = slot + slots * w
                 length = max(0, -(-(ext_size - first) // stride))
                 perm = list(range(length))
                 if params.shuffle and length > 1:
                     seed = worker_seed(params.seed_mode, params.seed, epoch, slot, w,
-                                       num_workers)
+                                       read_workers)
                     random.Random(seed).shuffle(perm)
                 dropped.extend(first + stride * j for j in perm[:skip])
         pos = np.asarray(dropped, dtype=np.int64)
@@ -207,10 +207,10 @@ def _fold(values: np.ndarray, start: int, totals: np.ndarray) -> None:
     totals[:tail.size] += tail
 
 
-def _plan_slot(arr: np.ndarray, chunk_size: int, slot: int, slots: int, num_workers: int,
+def _plan_slot(arr: np.ndarray, chunk_size: int, slot: int, slots: int, read_workers: int,
                params: PlanParams, epoch: int, order: np.ndarray | None,
                target: int | None) -> tuple[ShardSlice, ...]:
-    workers = assign_slot(arr.size, chunk_size, slot, slots, num_workers, params, epoch, order)
+    workers = assign_slot(arr.size, chunk_size, slot, slots, read_workers, params, epoch, order)
     stream = interleave(workers, arr)
     deficit = 0 if target is None else target - total(stream)
     if deficit <= 0:
@@ -229,7 +229,7 @@ def plan_slot(
     chunk_size: int,
     slot: int,
     slots: int,
-    num_workers: int,
+    read_workers: int,
     params: PlanParams = DEFAULT_PARAMS,
     epoch: int = 0,
 ) -> tuple[ShardSlice, ...]:
@@ -246,7 +246,7 @@ def plan_slot(
         chunk_size: ``catalog.chunk_size`` (for PiD's start-index skip).
         slot: Data-parallel group id (``Topology.slot``).
         slots: Number of data-parallel groups (``Topology.slots``).
-        num_workers: Loader workers per rank.
+        read_workers: Loader workers per rank.
         params: Planning parameters.
         epoch: Epoch number.
 
@@ -258,15 +258,15 @@ def plan_slot(
     order = base_order(arr.size, params, epoch)
     target = None
     if params.equal_work:
-        target = int(slot_totals(arr, chunk_size, slots, num_workers, params, epoch, order).max())
-    return _plan_slot(arr, chunk_size, slot, slots, num_workers, params, epoch, order, target)
+        target = int(slot_totals(arr, chunk_size, slots, read_workers, params, epoch, order).max())
+    return _plan_slot(arr, chunk_size, slot, slots, read_workers, params, epoch, order, target)
 
 
 def plan_epoch(
     counts: Sequence[int] | np.ndarray,
     chunk_size: int,
     slots: int,
-    num_workers: int,
+    read_workers: int,
     params: PlanParams = DEFAULT_PARAMS,
     epoch: int = 0,
 ) -> list[tuple[ShardSlice, ...]]:
@@ -276,6 +276,6 @@ def plan_epoch(
     order = base_order(arr.size, params, epoch)
     target = None
     if params.equal_work:
-        target = int(slot_totals(arr, chunk_size, slots, num_workers, params, epoch, order).max())
-    return [_plan_slot(arr, chunk_size, s, slots, num_workers, params, epoch, order, target)
+        target = int(slot_totals(arr, chunk_size, slots, read_workers, params, epoch, order).max())
+    return [_plan_slot(arr, chunk_size, s, slots, read_workers, params, epoch, order, target)
             for s in range(slots)]

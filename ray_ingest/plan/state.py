@@ -90,7 +90,7 @@ class Generation:
 
     world_size: int
     group_size: int
-    num_workers: int
+    read_workers: int
     #: Per slot: sorted, disjoint ``[lo, hi)`` ranges of consumed stream positions.
     consumed: tuple[Ranges, ...]
     #: Per slot: batches delivered in this generation (keeps per-rank batch counts equal).
@@ -103,12 +103,12 @@ class Generation:
         return self.world_size // self.group_size
 
     def same_topology(self, topo: Topology) -> bool:
-        return (self.world_size, self.group_size, self.num_workers) == (
-            topo.world_size, topo.group_size, topo.num_workers)
+        return (self.world_size, self.group_size, self.read_workers) == (
+            topo.world_size, topo.group_size, topo.read_workers)
 
     @classmethod
     def fresh(cls, topo: Topology, batch_size: int = 0) -> Generation:
-        return cls(topo.world_size, topo.group_size, topo.num_workers,
+        return cls(topo.world_size, topo.group_size, topo.read_workers,
                    tuple(() for _ in range(topo.slots)), tuple(0 for _ in range(topo.slots)),
                    batch_size)
 
@@ -150,8 +150,9 @@ class ReadState:
             "plan": dict(self.plan),
             "epoch": self.epoch,
             "generations": [
+                # "num_workers": the state file's name for read workers (format version 1)
                 {"world_size": g.world_size, "group_size": g.group_size,
-                 "num_workers": g.num_workers,
+                 "num_workers": g.read_workers,
                  "consumed": [[list(r) for r in rs] for rs in g.consumed],
                  "batches": list(g.batches), "batch_size": g.batch_size}
                 for g in self.generations
@@ -271,7 +272,7 @@ def _generation(doc: Any, where: str) -> Generation:
     if world % group:
         raise StateError(f"read state field '{where}group_size': expected a divisor of "
                          f"world_size ({world}), got {group}")
-    workers = _int(doc, "num_workers", where, 1)
+    workers = _int(doc, "num_workers", where, 1)  # the file format's name for read workers
     slots = world // group
     consumed_doc = _field(doc, "consumed", where, list)
     batches_doc = _field(doc, "batches", where, list)
@@ -367,7 +368,7 @@ def generation_streams(state: ReadState, counts: Sequence[int], chunk_size: int,
     """Every slot's stream in generation ``upto`` (default: the current one)."""
     params = state.params()
     g0 = state.generations[0]
-    streams = plan_epoch(counts, chunk_size, g0.slots, g0.num_workers, params, state.epoch)
+    streams = plan_epoch(counts, chunk_size, g0.slots, g0.read_workers, params, state.epoch)
     last = len(state.generations) - 1 if upto is None else upto
     for gi in range(1, last + 1):
         prev = state.generations[gi - 1]
@@ -382,7 +383,7 @@ def slot_stream(state: ReadState, counts: Sequence[int], chunk_size: int,
     """The current generation's stream of one slot (cheap when there is one generation)."""
     if len(state.generations) == 1:
         g = state.current
-        return plan_slot(counts, chunk_size, slot, g.slots, g.num_workers, state.params(),
+        return plan_slot(counts, chunk_size, slot, g.slots, g.read_workers, state.params(),
                          state.epoch)
     return tuple(generation_streams(state, counts, chunk_size)[slot])
 
@@ -416,7 +417,7 @@ def merge_slot_states(states: Sequence[ReadState]) -> ReadState:
                     f"read state field {field!r}: ranks disagree ({getattr(base, field)!r} vs "
                     f"{getattr(other, field)!r})")
         if other.generations[:-1] != base.generations[:-1] or not other.current.same_topology(
-                Topology(base.current.world_size, 0, base.current.num_workers, 0,
+                Topology(base.current.world_size, 0, base.current.read_workers, 0,
                          base.current.group_size)):
             raise StateError("read state field 'generations': ranks disagree")
     merged = list(base.current.consumed)

@@ -56,9 +56,9 @@ class Topology:
     world_size: int
     #: This process's global rank, ``0 <= rank < world_size``.
     rank: int = 0
-    #: Loader workers per rank (PiD: DataLoader ``num_workers``, at least 1).
-    num_workers: int = 1
-    #: This worker, ``0 <= worker_id < num_workers``.
+    #: Loader workers per rank (PiD: DataLoader ``read_workers``, at least 1).
+    read_workers: int = 1
+    #: This worker, ``0 <= worker_id < read_workers``.
     worker_id: int = 0
     #: Ranks per data-parallel group (TP*CP*PP); must divide ``world_size``.
     group_size: int = 1
@@ -66,8 +66,8 @@ class Topology:
     def __attrs_post_init__(self) -> None:
         check_int("Topology.world_size", self.world_size, 1)
         check_int("Topology.rank", self.rank, 0, self.world_size, "world_size")
-        check_int("Topology.num_workers", self.num_workers, 1)
-        check_int("Topology.worker_id", self.worker_id, 0, self.num_workers, "num_workers")
+        check_int("Topology.read_workers", self.read_workers, 1)
+        check_int("Topology.worker_id", self.worker_id, 0, self.read_workers, "read_workers")
         check_int("Topology.group_size", self.group_size, 1)
         if self.world_size % self.group_size:
             raise ConfigError(

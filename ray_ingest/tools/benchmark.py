@@ -85,7 +85,7 @@ def run_ours(root: str, res: int, batch: int, cores: int, epochs: int) -> Batche
         "decode": {"resolution": res, **OURS["decode"]},
         "loader": {"batch_size": batch, **OURS["loader"]},
     })
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, num_workers=cfg.loader.read_workers))
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=cfg.loader.read_workers))
     LAST_LOADER[:] = [loader]
     for epoch, batches in loader.epochs(epochs):
         for b in batches:

@@ -455,10 +455,10 @@ def convert_pickles(
         except (OSError, IngestError, ValueError) as exc:
             raise CatalogError(f"{url}: cannot read wdinfo.json ({exc})") from None
         info = read_wdinfo(url, storage_options=so)
-        if info.data_keys and modality not in info.data_keys:
+        if info.listed_modalities and modality not in info.listed_modalities:
             raise ConfigError(f"{url}: modality {modality!r} is not in data_keys "
-                              f"{list(info.data_keys)}")
-        others = tuple(k for k in info.data_keys if k != modality)
+                              f"{list(info.listed_modalities)}")
+        others = tuple(k for k in info.listed_modalities if k != modality)
         out_leaf = None if out is None else join_url(out, _rel_leaf(root, url, so))
         for shard in info.tar_files:
             jobs.append(ConvertJob(path=shard.path, src_root=shard.root,

@@ -31,7 +31,7 @@ import numpy as np
 
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.load import load_catalog
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.catalog.wdinfo import _modalities_arg
 from ray_ingest.decode.decoder import (
     IMAGE_EXTS,
@@ -130,8 +130,8 @@ class Sample:
     #: Aspect-ratio bucket of the shard (``16_9``), :data:`NO_BUCKET` when unbucketed.
     bucket: str
     members: Mapping[str, tuple[str, bytes] | None]
-    image_key: str | None = None
-    caption_key: str | None = None
+    image_modality: str | None = None
+    caption_modality: str | None = None
 
     # --- modalities ----------------------------------------------------------------------
     def data(self, modality: str) -> bytes | None:
@@ -147,7 +147,7 @@ class Sample:
         """The decoded image as an RGB ``PIL.Image`` (None when absent)."""
         from PIL import Image
 
-        modality = modality or self.image_key
+        modality = modality or self.image_modality
         if modality is None or self.members.get(modality) is None:
             return None
         img = Image.open(io.BytesIO(self.data(modality)))
@@ -156,13 +156,13 @@ class Sample:
     @property
     def image_size(self) -> tuple[int, int] | None:
         """(width, height) read from the image header, without decoding."""
-        if self.image_key is None or self.members.get(self.image_key) is None:
+        if self.image_modality is None or self.members.get(self.image_modality) is None:
             return None
-        return _image_size(self.data(self.image_key))
+        return _image_size(self.data(self.image_modality))
 
     def caption(self, modality: str | None = None) -> str | None:
         """Caption text (JSON ``prompt``, then ``prompt_medium``/``prompt_short``; or .txt)."""
-        modality = modality or self.caption_key
+        modality = modality or self.caption_modality
         if modality is None or self.members.get(modality) is None:
             return None
         ext, data = self.members[modality]
@@ -209,8 +209,8 @@ class Sample:
                    details: bool = False) -> str:
         key = html.escape(self.key)
         img_html = '<div style="color:#999;font-size:11px">no image</div>'
-        if self.image_key is not None and self.members.get(self.image_key) is not None:
-            t = _thumbnail(self.data(self.image_key), thumb)
+        if self.image_modality is not None and self.members.get(self.image_modality) is not None:
+            t = _thumbnail(self.data(self.image_modality), thumb)
             if t is not None:
                 img_html = (f'<img src="data:{t[0]};base64,{t[1]}" alt="{key}" '
                             f'style="max-width:{thumb}px;max-height:{thumb}px;display:block"/>')
@@ -349,12 +349,12 @@ class _Profile:
 class DatasetView:
     """A read-only notebook view of the datasets under ``paths`` (see :func:`open_dataset`)."""
 
-    def __init__(self, catalog: Catalog, opts: ReadOptions, image_key: str | None,
-                 caption_key: str | None):
+    def __init__(self, catalog: Catalog, opts: ReadOptions, image_modality: str | None,
+                 caption_modality: str | None):
         self.catalog = catalog
         self.opts = opts
-        self.image_key = image_key
-        self.caption_key = caption_key
+        self.image_modality = image_modality
+        self.caption_modality = caption_modality
         self._shard_keys: dict[int, list[str]] = {}
         self._where: dict[str, tuple[int, int]] = {}
         self._profile: _Profile | None = None
@@ -405,7 +405,7 @@ class DatasetView:
             members[m] = None if data is None else (row.get(ext_column(m)) or "", data)
         sample = Sample(key=row[KEY], shard=shard.path, index=int(row[INDEX]),
                         bucket=_bucket_label(shard.bucket), members=members,
-                        image_key=self.image_key, caption_key=self.caption_key)
+                        image_modality=self.image_modality, caption_modality=self.caption_modality)
         self._where.setdefault(sample.key, (sid, sample.index))
         return sample
 
@@ -448,7 +448,7 @@ class DatasetView:
         """Sample keys of a shard's driver tar, from its key index or a header-only scan."""
         if sid in self._shard_keys:
             return self._shard_keys[sid]
-        shard: TarSample = self.catalog.shards[sid]
+        shard: Shard = self.catalog.shards[sid]
         url = shard.url(shard.modalities[0])
         keys: list[str] | None = None
         try:
@@ -673,8 +673,8 @@ def open_dataset(
     optional: Sequence[str] = (),
     index_path: str | None = None,
     storage_options: Mapping[str, Any] | None = None,
-    image_key: str | None = None,
-    caption_key: str | None = None,
+    image_modality: str | None = None,
+    caption_modality: str | None = None,
     keys: Sequence[str] | None = None,
 ) -> DatasetView:
     """Open datasets for browsing (only wdinfo files are read here).
@@ -687,8 +687,8 @@ def open_dataset(
         optional: modalities that may lack a sample.
         index_path: parquet key list for ``align="index"``.
         storage_options: fsspec options.
-        image_key: modality shown as thumbnails (default: ``image`` if present).
-        caption_key: modality shown as captions (default: ``caption`` if present).
+        image_modality: modality shown as thumbnails (default: ``image`` if present).
+        caption_modality: modality shown as captions (default: ``caption`` if present).
         keys: deprecated name of ``modalities`` (DeprecationWarning).
     """
     modalities = _modalities_arg(modalities, keys, "open_dataset")
@@ -698,11 +698,11 @@ def open_dataset(
     opts = ReadOptions(align=align, optional=tuple(optional), index_path=index_path,
                        storage_options=so)
     mods = catalog.modalities
-    if image_key is None:
-        image_key = "image" if "image" in mods else None
-    if caption_key is None:
-        caption_key = "caption" if "caption" in mods else None
-    for name, value in (("image_key", image_key), ("caption_key", caption_key)):
+    if image_modality is None:
+        image_modality = "image" if "image" in mods else None
+    if caption_modality is None:
+        caption_modality = "caption" if "caption" in mods else None
+    for name, value in (("image_modality", image_modality), ("caption_modality", caption_modality)):
         if value is not None and value not in mods:
             raise IngestError(f"{name}: expected one of {', '.join(mods)}, got {value!r}")
-    return DatasetView(catalog, opts, image_key, caption_key)
+    return DatasetView(catalog, opts, image_modality, caption_modality)

@@ -49,7 +49,7 @@ from ray_ingest.twintar.tario import (
 log = logging.getLogger(__name__)
 
 #: Tars in flight per worker thread (bounds the futures kept for million-shard datasets).
-_WINDOW_PER_WORKER = 64
+_IN_FLIGHT_PER_WORKER = 64
 #: Tar URLs built at a time.
 _URL_BATCH = 65536
 
@@ -127,12 +127,12 @@ def index_tar(tar_url: str, storage_options: Mapping[str, Any] | None = None,
 
 
 def _bounded_map(pool: concurrent.futures.Executor, fn: Callable[[T], R], items: Iterable[T],
-                 window: int) -> Iterator[R]:
-    """``pool.map`` in input order with at most ``window`` futures alive."""
+                 in_flight: int) -> Iterator[R]:
+    """``pool.map`` in input order with at most ``in_flight`` futures alive."""
     pending: list[concurrent.futures.Future] = []
     for item in items:
         pending.append(pool.submit(fn, item))
-        if len(pending) >= window:
+        if len(pending) >= in_flight:
             yield pending.pop(0).result()
     for fut in pending:
         yield fut.result()
@@ -215,7 +215,7 @@ def index_dataset(
     with concurrent.futures.ThreadPoolExecutor(num_workers) as pool:
         for url in urls:
             w = read_wdinfo(url, modalities, storage_options=so, root=root)
-            mods = tuple(modalities) if modalities else (w.data_keys or DEFAULT_MODALITIES)
+            mods = tuple(modalities) if modalities else (w.listed_modalities or DEFAULT_MODALITIES)
             w = w._replace(modalities=mods)
             check_roots([w], [so], root)
             rep = WdinfoIndexReport(wdinfo=url, shards=len(w), modalities=list(mods),
@@ -225,7 +225,7 @@ def index_dataset(
                 tars = (u for a in range(0, len(w), _URL_BATCH)
                         for u in w.urls(m, a, a + _URL_BATCH))
                 got = _bounded_map(pool, lambda u: (u, *index_tar(u, so, force)), tars,
-                                   num_workers * _WINDOW_PER_WORKER)
+                                   num_workers * _IN_FLIGHT_PER_WORKER)
                 per[m] = []
                 absent, first_absent = 0, None
                 for tar, c, wrote in got:

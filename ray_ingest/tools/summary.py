@@ -96,7 +96,7 @@ def summarize(
                              "bytes": {}, "buckets": {}, "wdinfos": []}
     for url in urls:
         probe = read_wdinfo(url, modalities or None, storage_options=so, root=root)
-        mods = tuple(modalities) if modalities else (probe.data_keys or DEFAULT_MODALITIES)
+        mods = tuple(modalities) if modalities else (probe.listed_modalities or DEFAULT_MODALITIES)
         probe = probe._replace(modalities=mods)
         check_roots([probe], [so], root)
         nbytes: dict[str, int] = {}

@@ -59,7 +59,7 @@ def ray_train_rank() -> tuple[int, int] | None:
 
 
 def detect_topology(
-    num_workers: int | None = None,
+    read_workers: int | None = None,
     group_size: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Topology:
@@ -67,13 +67,13 @@ def detect_topology(
 
     Rank and world size come from, in order: an active Ray Train context; env ``RANK`` and
     ``WORLD_SIZE`` (both or neither); ``(0, 1)``. Worker id and count come from
-    ``num_workers`` when given (worker 0), else env ``WORKER`` and ``NUM_WORKERS`` (both or
+    ``read_workers`` when given (worker 0), else env ``WORKER`` and ``NUM_WORKERS`` (both or
     neither), else ``(0, 1)``. ``group_size`` comes from the argument, else env
     ``GROUP_SIZE``, else 1. Malformed or half-set variables raise :class:`ConfigError`
     instead of silently falling back.
 
     Args:
-        num_workers: Loader workers per rank; None reads the environment.
+        read_workers: Loader workers per rank; None reads the environment.
         group_size: Ranks per data-parallel group; None reads env ``GROUP_SIZE``.
         environ: Mapping to read instead of ``os.environ``.
 
@@ -82,8 +82,8 @@ def detect_topology(
     """
     env = os.environ if environ is None else environ
     ranks = ray_train_rank() or _env_pair(env, "RANK", "WORLD_SIZE") or (0, 1)
-    if num_workers is not None:
-        workers = (0, num_workers)
+    if read_workers is not None:
+        workers = (0, read_workers)
     else:
         workers = _env_pair(env, "WORKER", "NUM_WORKERS") or (0, 1)
     if group_size is None:
@@ -91,7 +91,7 @@ def detect_topology(
     return Topology(
         world_size=ranks[1],
         rank=ranks[0],
-        num_workers=workers[1],
+        read_workers=workers[1],
         worker_id=workers[0],
         group_size=group_size,
     )

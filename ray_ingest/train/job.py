@@ -95,7 +95,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     catalog = ray.get(config["catalog_ref"]) if config.get("catalog_ref") is not None else None
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    topo = Topology(world_size=world, rank=rank, num_workers=cfg.loader.read_workers,
+    topo = Topology(world_size=world, rank=rank, read_workers=cfg.loader.read_workers,
                     group_size=cfg.train.group_size)
     device = ray.train.torch.get_device()
     node_id = ray.get_runtime_context().get_node_id()  # where this worker runs (placement)
@@ -186,11 +186,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             opt.step()
             global_step += 1
             losses.append(loss.item())
-            samples_log += len(batch.keys)
+            samples_log += len(batch.sample_keys)
             if ledger:
                 _ledger_append(ledger, {"epoch": epoch, "step": global_step, "rank": rank,
                                         "slot": topo.slot, "batch": batch.step_in_epoch,
-                                        "keys": batch.keys, "sids": batch.sids,
+                                        "keys": batch.sample_keys, "sids": batch.sids,
                                         "indices": batch.indices, "pads": batch.pads,
                                         "skipped": batch.skipped})
             if global_step % cfg.train.log_every == 0 and rank == 0:

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 import attrs
 
-from ray_ingest.catalog.shard import TarSample
+from ray_ingest.catalog.shard import Shard
 from ray_ingest.errors import IngestError, TarFormatError
 from ray_ingest.twintar import remote
 from ray_ingest.twintar.tario import (
@@ -30,7 +30,7 @@ from ray_ingest.twintar.tario import (
     iter_members,
 )
 from ray_ingest.twintar.twin import (
-    DEFAULT_WINDOW,
+    DEFAULT_READ_AHEAD,
     AlignStats,
     check_align,
     expand,
@@ -52,7 +52,7 @@ class ReadOptions:
     index_path: str | None = None
     #: Look-ahead members per secondary modality in merge/index mode (``data.max_read_ahead``):
     #: a key not found within it is an error, or a recorded skip under ``on_error="skip"``.
-    window: int = DEFAULT_WINDOW
+    read_ahead: int = DEFAULT_READ_AHEAD
     #: Members whose tar header declares more bytes are never read (``decode.max_member_bytes``):
     #: an error, or a recorded skip under ``on_error="skip"``. None: no limit.
     max_member_bytes: int | None = None
@@ -70,7 +70,7 @@ def read_options(cfg: Any) -> ReadOptions:
     """The read options a run configuration (:class:`ray_ingest.config.Config`) asks for."""
     dc = cfg.data
     return ReadOptions(align=dc.align, optional=dc.optional_modalities, index_path=dc.index_path,
-                       storage_options=dict(dc.storage_options), window=dc.max_read_ahead,
+                       storage_options=dict(dc.storage_options), read_ahead=dc.max_read_ahead,
                        max_member_bytes=cfg.decode.max_member_bytes)
 
 
@@ -186,7 +186,7 @@ def _known_keys(f: BinaryIO, url: str, opts: ReadOptions) -> frozenset[str] | No
 
 
 def read_shard(
-    shard: TarSample,
+    shard: Shard,
     start: int = 0,
     count: int | None = None,
     opts: ReadOptions = ReadOptions(),
@@ -243,9 +243,9 @@ def read_shard(
                                        opts.storage_options)
             gen = expand(shard.path, streams, align="index", optional=opts.optional,
                          index_keys=keys, first_index=start, limit=count, stats=stats,
-                         window=opts.window, on_error=on_error, known_keys=known)
+                         read_ahead=opts.read_ahead, on_error=on_error, known_keys=known)
         else:
             gen = expand(shard.path, streams, align=opts.align, optional=opts.optional,
                          first_index=start, limit=count, skip_keys=skip_keys, stats=stats,
-                         window=opts.window, on_error=on_error, known_keys=known)
+                         read_ahead=opts.read_ahead, on_error=on_error, known_keys=known)
         yield from gen

@@ -51,7 +51,7 @@ ALIGN_MODES: tuple[str, ...] = ("strict", "merge", "index")
 REASONS = ("missing", "extra", "duplicate", "orphan", "reordered", "unnamed", "beyond_read_ahead",
            "oversized")
 #: Look-ahead members buffered per secondary modality in merge/index mode (``data.max_read_ahead``).
-DEFAULT_WINDOW = 1000
+DEFAULT_READ_AHEAD = 1000
 ON_ERROR = ("raise", "skip")
 
 KEY, SHARD, INDEX = columns.KEY, columns.SHARD, columns.INDEX
@@ -140,7 +140,7 @@ def expand(
     limit: int | None = None,
     skip_keys: Iterable[str] = (),
     stats: AlignStats | None = None,
-    window: int = DEFAULT_WINDOW,
+    read_ahead: int = DEFAULT_READ_AHEAD,
     on_error: str = "raise",
     known_keys: Mapping[str, frozenset[str]] | None = None,
 ) -> Iterator[dict[str, Any]]:
@@ -158,7 +158,7 @@ def expand(
         limit: stop after this many emitted samples.
         skip_keys: (merge) driver keys before ``first_index``, so secondaries drop them quietly.
         stats: counters to update; a fresh one is used when None.
-        window: look-ahead members buffered per secondary in merge/index mode; a key not found
+        read_ahead: look-ahead members buffered per secondary in merge/index mode; a key not found
             when the buffer is full is an error (see ``on_error``).
         on_error: ``raise``: a member over the size limit, or a key beyond the look-ahead,
             raises. ``skip``: the sample's row carries the error under :data:`ERROR` (modality
@@ -169,8 +169,8 @@ def expand(
     check_align(align)
     if on_error not in ON_ERROR:
         raise ConfigError(f"on_error: expected one of {', '.join(ON_ERROR)}, got {on_error!r}")
-    if window < 1:
-        raise ConfigError(f"window: expected a number of members >= 1, got {window!r}")
+    if read_ahead < 1:
+        raise ConfigError(f"read_ahead: expected a number of members >= 1, got {read_ahead!r}")
     stats = stats if stats is not None else AlignStats()
     modalities = list(streams)
     if not modalities:
@@ -180,13 +180,13 @@ def expand(
     if align == "strict":
         gen = _strict(shard, streams, modalities, optional, first_index, stats, on_error)
     elif align == "merge":
-        gen = _merge(shard, streams, modalities, optional, first_index, stats, window,
+        gen = _merge(shard, streams, modalities, optional, first_index, stats, read_ahead,
                      frozenset(skip_keys), on_error, known)
     else:
         if index_keys is None:
             raise ConfigError("index_keys: align='index' needs a key list, got None")
         gen = _indexed(shard, streams, modalities, optional, index_keys, first_index, stats,
-                       window, on_error, known)
+                       read_ahead, on_error, known)
     if limit is None:
         yield from gen
         return
@@ -248,12 +248,12 @@ def _strict(
 class _Cursor:
     """Forward reader of one secondary modality with a bounded look-ahead buffer."""
 
-    def __init__(self, modality: str, members: Iterator[Member], stats: AlignStats, window: int,
+    def __init__(self, modality: str, members: Iterator[Member], stats: AlignStats, read_ahead: int,
                  passed: frozenset[str], known: frozenset[str] | None = None):
         self.modality = modality
         self.members = members
         self.stats = stats
-        self.window = window
+        self.read_ahead = read_ahead
         self.passed = passed
         #: Every key of the tar when known up front (key index): absent keys need no read-ahead.
         self.known = known
@@ -295,7 +295,7 @@ class _Cursor:
         if self.known is not None and key not in self.known:
             return False
         while not self.done:
-            if len(self.buf) >= self.window:
+            if len(self.buf) >= self.read_ahead:
                 self.full = True
                 return False
             m = self._next()
@@ -336,14 +336,14 @@ def _merge(
     optional: frozenset[str],
     first_index: int,
     stats: AlignStats,
-    window: int,
+    read_ahead: int,
     passed: frozenset[str],
     on_error: str,
     known: Mapping[str, frozenset[str]],
 ) -> Iterator[dict[str, Any]]:
     driver = modalities[0]
     cursors = {
-        m: _Cursor(m, _named(streams[m], m, stats), stats, window, passed, known.get(m))
+        m: _Cursor(m, _named(streams[m], m, stats), stats, read_ahead, passed, known.get(m))
         for m in modalities[1:]
     }
     state = {"exhausted": False}
@@ -399,14 +399,14 @@ def _join_tracking(
         beyond = [m for m, c in cursors.items() if not found[m] and c.full]
         if beyond:
             # The buffer is full and the key was not in it: it may still come, or never.
-            window = cursors[beyond[0]].window
+            read_ahead = cursors[beyond[0]].read_ahead
             for m in beyond:
                 stats.add(m, "beyond_read_ahead")
             for m, c in cursors.items():
                 if found[m]:
                     c.take(key)  # the sample is skipped as a whole: free its members' buffer
             exc = AlignmentError(
-                f"shard {shard}: key {key} not found in {','.join(beyond)} within {window} "
+                f"shard {shard}: key {key} not found in {','.join(beyond)} within {read_ahead} "
                 f"members read ahead (data.max_read_ahead); that tar is too far out of order "
                 f"or lacks too many keys for merge alignment without a key index")
             yield _error_row(shard, key, position, modalities, _fail(exc, on_error))
@@ -432,14 +432,14 @@ def _indexed(
     index_keys: Sequence[str],
     first_index: int,
     stats: AlignStats,
-    window: int,
+    read_ahead: int,
     on_error: str,
     known: Mapping[str, frozenset[str]],
 ) -> Iterator[dict[str, Any]]:
     if not index_keys:
         return
     cursors = {
-        m: _Cursor(m, _named(streams[m], m, stats), stats, window, frozenset(), known.get(m))
+        m: _Cursor(m, _named(streams[m], m, stats), stats, read_ahead, frozenset(), known.get(m))
         for m in modalities
     }
     state = {"exhausted": False}
