@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["IngestLoader", "read_twin_tars", "write_twin_tars"]
 
 _LAZY = {"IngestLoader": "ray_ingest.loader.ingest",

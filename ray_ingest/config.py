@@ -8,7 +8,6 @@ Sections: ``data`` (what to read), ``decode`` (how samples become tensors), ``lo
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +17,6 @@ import yaml
 
 from ray_ingest.catalog.shard import (
     ROOT_MODES,
-    warn_renamed,
 )
 from ray_ingest.errors import ConfigError
 from ray_ingest.plan.assign import PlanParams
@@ -81,8 +79,6 @@ class DataConfig:
     """Which twin-tar datasets to read and how to align them."""
 
     SECTION = "data"
-    #: Old field names still accepted in YAML (with a deprecation warning).
-    RENAMED = {"keys": "modalities", "optional_keys": "optional_modalities"}
     #: wdinfo.json files or folders searched for them (local, gs://, memory://).
     paths: tuple[str, ...] = attrs.field(converter=_tuple)
     #: Modality folders to read; the first drives alignment.
@@ -112,17 +108,6 @@ class DataConfig:
         if not value:
             raise ConfigError("data.modalities: expected at least one modality, got none")
 
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Deprecated name of :attr:`modalities`."""
-        warn_renamed("DataConfig.keys", "modalities")
-        return self.modalities
-
-    @property
-    def optional_keys(self) -> tuple[str, ...]:
-        """Deprecated name of :attr:`optional_modalities`."""
-        warn_renamed("DataConfig.optional_keys", "optional_modalities")
-        return self.optional_modalities
 
 
 @attrs.frozen
@@ -331,15 +316,6 @@ def _build(cls: type, doc: Any, section: str) -> Any:
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{section}: expected a mapping, got {type(doc).__name__}")
     doc = dict(doc)
-    for old, new in getattr(cls, "RENAMED", {}).items():
-        if old in doc:
-            if new in doc:
-                raise ConfigError(f"{section}.{old}: old name of {section}.{new}; got both, "
-                                  f"give only {section}.{new}")
-            msg = f"{section}.{old} is deprecated; use {section}.{new}"
-            warnings.warn(msg, DeprecationWarning, stacklevel=4)
-            log.warning(msg)
-            doc[new] = doc.pop(old)
     names = {a.name for a in attrs.fields(cls)}
     unknown = sorted(set(doc) - names)
     if unknown:

@@ -8,7 +8,6 @@ import logging
 import pickle
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -370,39 +369,25 @@ def test_data_root_setting(tmp_path):
 # --------------------------------------------------------------------------- renamed names
 
 
-def test_old_names_still_work_with_a_deprecation_warning(tmp_path, monkeypatch):
-    monkeypatch.setattr(shard_mod, "_WARNED", set())
+def test_old_names_are_gone(tmp_path):
+    """0.x dropped the deprecated ``keys`` spellings (docs/release_notes.md): a clear error."""
     a = write_wdinfo(str(tmp_path / "a"), ["0.tar"], [2], ["image", "caption"])
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        cat = load_catalog(a, keys=["image"])
-        assert cat.keys == cat.modalities == ("image",)
-        assert cat.shards[0].keys == ("image",)
-        assert Shard("x.tar", "/r", keys=("caption",)).modalities == ("caption",)
-        info = DatasetInfo(wdinfo=(a,), per_dataset_keys=("caption",))
-        assert info.per_dataset_keys == info.per_dataset_modalities == ("caption",)
-        assert shard_mod.DEFAULT_KEYS == shard_mod.DEFAULT_MODALITIES
-        assert Catalog(shards=cat.shards, keys=("image",)).modalities == ("image",)
-    names = {str(w.message).split(" is deprecated")[0] for w in got
-             if issubclass(w.category, DeprecationWarning)}
-    assert names == {"load_catalog(keys=...)", "Catalog.keys", "Shard.keys",
-                     "Shard(keys=...)", "DatasetInfo(per_dataset_keys=...)",
-                     "DatasetInfo.per_dataset_keys", "ray_ingest.catalog.DEFAULT_KEYS",
-                     "Catalog(keys=...)"}
-    with pytest.raises(CatalogError, match="both"):
-        load_catalog(a, modalities=["image"], keys=["image"])
+    cat = load_catalog(a, modalities=["image"])
+    for call in (lambda: load_catalog(a, keys=["image"]),
+                 lambda: Shard("x.tar", "/r", keys=("caption",)),
+                 lambda: DatasetInfo(wdinfo=(a,), per_dataset_keys=("caption",)),
+                 lambda: Catalog(shards=cat.shards, keys=("image",))):
+        with pytest.raises(TypeError, match="keys"):
+            call()
+    for obj, name in ((cat, "keys"), (cat.shards[0], "keys"), (shard_mod, "DEFAULT_KEYS"),
+                      (DatasetInfo(wdinfo=(a,)), "per_dataset_keys")):
+        assert not hasattr(obj, name), name
 
 
-def test_config_accepts_old_data_names(caplog):
-    with pytest.warns(DeprecationWarning, match="data.keys is deprecated; use data.modalities"):
-        cfg = config_from_dict({"data": {"paths": ["x"], "keys": ["image", "umt5"],
-                                         "optional_keys": "umt5"}})
-    assert cfg.data.modalities == ("image", "umt5") and cfg.data.optional_modalities == ("umt5",)
-    assert cfg.data.keys == ("image", "umt5") and cfg.data.optional_keys == ("umt5",)
-    assert any("data.optional_keys is deprecated" in r.getMessage() for r in caplog.records)
-    assert "keys" not in cfg.to_dict()["data"]
-    with pytest.raises(ConfigError, match="data.keys: old name of data.modalities; got both"):
-        config_from_dict({"data": {"paths": ["x"], "keys": ["a"], "modalities": ["a"]}})
+def test_config_refuses_old_data_names():
+    for old in ("keys", "optional_keys"):
+        with pytest.raises(ConfigError, match=rf"data.{old}: unknown field \(expected one of "):
+            config_from_dict({"data": {"paths": ["x"], old: ["image"]}})
     with pytest.raises(ConfigError, match="data.modalities: expected at least one modality"):
         config_from_dict({"data": {"paths": ["x"], "modalities": []}})
 

@@ -141,10 +141,7 @@ def good(tmp_path) -> Path:
 
 # --------------------------------------------------------------------------- renamed names
 
-KEYS_WARNING = "ray-ingest: warning: --keys is deprecated; use --modalities\n"
-
-
-def test_keys_flag_is_a_deprecated_alias_of_modalities(tmp_path, capsys, good):
+def test_modalities_flag_and_no_keys_flag(tmp_path, capsys, good):
     ledger = tmp_path / "ledger"
     ledger.mkdir()
     sids = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
@@ -162,35 +159,23 @@ def test_keys_flag_is_a_deprecated_alias_of_modalities(tmp_path, capsys, good):
     for cmd, args in calls.items():
         rc, new, err = run(capsys, cmd, *args, "--modalities", "caption")
         assert rc == 0 and err == "", (cmd, err)
-        rc, old, err = run(capsys, cmd, *args, "--keys", "caption")
-        assert rc == 0 and old == new and err == KEYS_WARNING, (cmd, err)
         outs[cmd] = new
-        assert_one_line_error(*run(capsys, cmd, *args, "--modalities", "caption", "--keys",
-                                   "caption")[::2], "--keys: old name of --modalities; got both")
-        _, help_text, _ = run(capsys, cmd, "--help")
-        assert "--modalities" in help_text and "--keys" not in help_text
+        # --keys, the old name, was dropped (docs/release_notes.md)
+        rc, _, err = run(capsys, cmd, *args, "--keys", "caption")
+        assert rc == 2 and "No such option '--keys'" in err, (cmd, err)
     assert json.loads(outs["info"])["modalities"] == ["caption"]
     assert {tuple(r) for r in records(outs["cat"])} == {("key", "shard", "index", "caption")}
     assert json.loads(outs["audit"])["status"] == "exactly-once"
 
 
-def test_library_keys_arguments_are_deprecated_aliases(good, monkeypatch):
-    from ray_ingest.catalog import shard as shard_mod
-    from ray_ingest.errors import CatalogError
-    from ray_ingest.tools.summary import (
-        iter_records,
-        summarize,
-    )
+def test_library_modalities_arguments(good):
+    from ray_ingest.tools.summary import iter_records, summarize
 
     assert summarize(str(good), ["caption"])["modalities"] == ["caption"]
-    monkeypatch.setattr(shard_mod, "_WARNED", set())
-    with pytest.warns(DeprecationWarning, match=r"summarize\(keys=...\) is deprecated"):
-        assert summarize(str(good), keys=["caption"])["modalities"] == ["caption"]
-    with pytest.warns(DeprecationWarning, match=r"iter_records\(keys=...\) is deprecated"):
-        assert set(next(iter_records(str(good), keys=["caption"]))) == {
-            "key", "shard", "index", "caption"}
-    with pytest.raises(CatalogError, match="both"):
-        summarize(str(good), modalities=["image"], keys=["image"])
+    assert set(next(iter_records(str(good), modalities=["caption"]))) == {
+        "key", "shard", "index", "caption"}
+    with pytest.raises(TypeError, match="keys"):
+        summarize(str(good), keys=["caption"])
 
 
 def test_missing_wdinfo(tmp_path, capsys):

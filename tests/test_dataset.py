@@ -144,15 +144,14 @@ def test_read_tasks_slice_or_group_shards(buckets):
         (shards[i].path, j) for i, j in everything]
 
 
-def test_keys_is_a_deprecated_alias_of_modalities(ray_local, buckets):
+def test_modalities_as_a_string(ray_local, buckets):
     import ray_ingest
 
-    with pytest.warns(DeprecationWarning, match="keys= is deprecated"):
-        ds = ray_ingest.read_twin_tars(str(buckets), keys=["caption"], **RAY)
+    ds = ray_ingest.read_twin_tars(str(buckets), modalities="caption", **RAY)
     assert [n for n in ds.schema().names if not n.startswith("__")] == [
         "caption", "caption__ext"]
-    with pytest.raises(ConfigError, match="not both"):
-        ray_ingest.read_twin_tars(str(buckets), keys=["caption"], modalities=["caption"])
+    with pytest.raises(TypeError, match="keys"):
+        ray_ingest.read_twin_tars(str(buckets), keys=["caption"])
 
 
 def test_decoded_columns_come_from_the_loader_decoder(ray_local, buckets):
@@ -289,10 +288,9 @@ def test_write_errors_name_the_problem(ray_local, buckets, tmp_path):
     with pytest.raises(IngestError, match="'a' occurs more than once"):
         ray_ingest.write_twin_tars(dup, str(tmp_path / "d"), modalities=["image"],
                                    shard_size=5, extensions={"image": "bin"}, **RAY)
-    with pytest.warns(DeprecationWarning):
-        report = ray_ingest.write_twin_tars(ds, str(tmp_path / "e"), keys=["image"],
-                                            shard_size=5, extensions={"image": "bin"},
-                                            num_partitions=1, **RAY)
+    report = ray_ingest.write_twin_tars(ds, str(tmp_path / "e"), modalities="image",
+                                        shard_size=5, extensions={"image": "bin"},
+                                        num_partitions=1, **RAY)
     assert report.samples == 1
 
 

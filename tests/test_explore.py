@@ -225,16 +225,12 @@ def test_open_dataset_rejects_unknown_modality(data):
         explore.open_dataset(data, image_modality="video")
 
 
-def test_open_dataset_modalities_and_their_old_name_keys(data, monkeypatch):
-    from ray_ingest.catalog import shard as shard_mod
-
+def test_open_dataset_modalities(data):
     assert explore.open_dataset(data, ["caption", "image"]).modalities == ("caption", "image")
-    monkeypatch.setattr(shard_mod, "_WARNED", set())
-    with pytest.warns(DeprecationWarning, match=r"open_dataset\(keys=...\) is deprecated"):
-        ds = explore.open_dataset(data, keys=["caption"])
+    ds = explore.open_dataset(data, modalities=["caption"])
     assert ds.modalities == ("caption",) and ds.image_modality is None
-    with pytest.raises(IngestError, match="both"):
-        explore.open_dataset(data, modalities=["image"], keys=["image"])
+    with pytest.raises(TypeError, match="keys"):
+        explore.open_dataset(data, keys=["caption"])
 
 
 # --------------------------------------------------------------------------- the notebook

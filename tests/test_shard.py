@@ -21,10 +21,9 @@ from ray_ingest.tools.shard import (
     OTHER_FOLDER,
     TOO_LARGE,
     UNREADABLE,
-    _groups,
     shard_folders,
 )
-from ray_ingest.twintar.layout import aspect_bucket
+from ray_ingest.twintar.layout import aspect_bucket, pack_shards
 from ray_ingest.twintar.reader import read_shard
 from ray_ingest.twintar.twin import KEY
 from tests.datagen import RAW_SIZES as SIZES
@@ -93,15 +92,15 @@ def test_size_mode_follows_pid_rule(tmp_path):
     budget = max(sizes) * 2 + 1
     shard_folders(str(raw), str(tmp_path / "out"), max_shard_size_mb=budget / 2**20)
     doc = json.loads((tmp_path / "out" / "wdinfo.json").read_text())
-    want = _groups([s[0] for s in SIZES], sizes, None, budget)
+    want = pack_shards([s[0] for s in SIZES], sizes, None, budget)
     assert doc["data_list_key_count"] == [len(g) for g in want]
     assert all(sum(sizes[int(k[1:])] for k in g) <= budget for g in want)
     assert doc["chunk_size"] == int(10 / len(want))
 
 
 def test_groups_oversize_sample_is_its_own_shard():
-    assert _groups(list("abcde"), [1, 5, 1, 1, 1], None, 3) == [["a"], ["b"], ["c", "d", "e"]]
-    assert _groups(list("abcde"), [0] * 5, 2, 0) == [["a", "b"], ["c", "d"], ["e"]]
+    assert pack_shards(list("abcde"), [1, 5, 1, 1, 1], None, 3) == [["a"], ["b"], ["c", "d", "e"]]
+    assert pack_shards(list("abcde"), [0] * 5, 2, 0) == [["a", "b"], ["c", "d"], ["e"]]
 
 
 def test_aspect_buckets(tmp_path):

@@ -58,9 +58,8 @@ from ray_ingest.catalog.shard import (
     Shard,
     _ShardSeq,
     _tuple_of_str,
-    warn_renamed,
 )
-from ray_ingest.catalog.wdinfo import Wdinfo, _modalities_arg
+from ray_ingest.catalog.wdinfo import Wdinfo
 from ray_ingest.errors import CatalogError
 from ray_ingest.twintar.fsio import join_url
 
@@ -97,9 +96,7 @@ class Catalog:
                  "chunk_size")
 
     def __init__(self, shards: Iterable[Shard] = (), wdinfos: Sequence[Wdinfo] = (),
-                 chunk_size: int | None = None, modalities: Iterable[str] | None = None, *,
-                 keys: Iterable[str] | None = None) -> None:
-        modalities = _modalities_arg(modalities, keys, "Catalog")  # type: ignore[arg-type]
+                 chunk_size: int | None = None, modalities: Iterable[str] | None = None) -> None:
         shards = list(shards)
         codes: dict[_Source, int] = {}
         source = np.empty(len(shards), dtype=np.int32)
@@ -216,12 +213,6 @@ class Catalog:
     @property
     def modalities(self) -> tuple[str, ...]:
         """Modality folders read by default, in reading order; the first drives alignment."""
-        return self._modalities
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Deprecated name of :attr:`modalities`."""
-        warn_renamed("Catalog.keys", "modalities")
         return self._modalities
 
     @property

@@ -21,7 +21,7 @@ import fsspec
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.discovery import check_roots, discover
 from ray_ingest.catalog.shard import DEFAULT_MODALITIES, DatasetInfo, check_root_mode
-from ray_ingest.catalog.wdinfo import Wdinfo, _modalities_arg, read_wdinfo
+from ray_ingest.catalog.wdinfo import Wdinfo, read_wdinfo
 from ray_ingest.errors import CatalogError
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,6 @@ def load_catalog(
     *,
     cache: bool = False,
     root: str = "wdinfo",
-    keys: Sequence[str] | None = None,
 ) -> Catalog:
     """Build a catalog from paths (wdinfo.json or folders) and/or :class:`DatasetInfo` objects.
 
@@ -81,7 +80,6 @@ def load_catalog(
     (generation, etag or mtime): a repeated call costs discovery plus one metadata request per
     wdinfo, and a rewritten wdinfo.json is read again.
     """
-    modalities = _modalities_arg(modalities, keys, "load_catalog")
     check_root_mode(root)
     if isinstance(paths, (str, DatasetInfo)):
         paths = [paths]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -30,7 +29,6 @@ ROOT_MODES = ("wdinfo", "folder")
 
 # --------------------------------------------------------------------------- small helpers
 
-_WARNED: set[str] = set()
 
 
 _NOTICED: set[tuple[Any, ...]] = set()
@@ -46,19 +44,8 @@ def _notice(key: tuple[Any, ...], level: int, msg: str, *args: Any) -> None:
     log.log(level, msg, *args)
 
 
-def warn_renamed(old: str, new: str) -> None:
-    """DeprecationWarning for a renamed public name, once per process (hot paths use them)."""
-    if old in _WARNED:
-        return
-    _WARNED.add(old)
-    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DEFAULT_KEYS":
-        warn_renamed("ray_ingest.catalog.DEFAULT_KEYS", "DEFAULT_MODALITIES")
-        return DEFAULT_MODALITIES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _dict_or_empty(value: dict[str, Any] | None) -> dict[str, Any]:
+    return {} if value is None else value
 
 
 def _tuple_of_str(value: Iterable[str]) -> tuple[str, ...]:
@@ -89,37 +76,18 @@ class DatasetInfo:
     #: wdinfo.json URLs or folders searched recursively for them.
     wdinfo: tuple[str, ...] = attrs.field(converter=_tuple_of_str)
     #: Free-form per-dataset options (e.g. ``aspect_ratio``).
-    opts: dict[str, Any] = attrs.field(factory=dict)
+    opts: dict[str, Any] = attrs.field(factory=dict, converter=_dict_or_empty)
     #: Modality folders for this dataset; empty means the reader's modalities.
     per_dataset_modalities: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
     #: Human-readable source name.
     source: str = ""
     #: fsspec storage options (PiD: object_store_config).
-    object_store_config: dict[str, Any] = attrs.field(factory=dict)
-
-    def __init__(self, wdinfo: Iterable[str], opts: dict[str, Any] | None = None,
-                 per_dataset_modalities: Iterable[str] = (), source: str = "",
-                 object_store_config: dict[str, Any] | None = None, *,
-                 per_dataset_keys: Iterable[str] | None = None) -> None:
-        if per_dataset_keys is not None:
-            warn_renamed("DatasetInfo(per_dataset_keys=...)", "per_dataset_modalities")
-            if tuple(per_dataset_modalities):
-                raise CatalogError("DatasetInfo: got both per_dataset_modalities and its old "
-                                   "name per_dataset_keys; give only per_dataset_modalities")
-            per_dataset_modalities = per_dataset_keys
-        self.__attrs_init__(wdinfo, {} if opts is None else opts, per_dataset_modalities, source,
-                            {} if object_store_config is None else object_store_config)
+    object_store_config: dict[str, Any] = attrs.field(factory=dict, converter=_dict_or_empty)
 
     @wdinfo.validator
     def _check_wdinfo(self, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
         if not value:
             raise CatalogError("DatasetInfo.wdinfo: expected at least one path, got none")
-
-    @property
-    def per_dataset_keys(self) -> tuple[str, ...]:
-        """Deprecated name of :attr:`per_dataset_modalities`."""
-        warn_renamed("DatasetInfo.per_dataset_keys", "per_dataset_modalities")
-        return self.per_dataset_modalities
 
 
 @attrs.frozen
@@ -133,32 +101,13 @@ class Shard:
     #: Modality folders, in reading order; the first one drives alignment.
     modalities: tuple[str, ...] = attrs.field(converter=_tuple_of_str)
     #: Number of samples in the shard, or None when not known (yet).
-    count: int | None
+    count: int | None = None
     #: Which dataset of the catalog this shard belongs to (``"dset: i"``, as PiD names it).
     dset_id: str = "dset: 0"
     #: Optional parquet key list fixing order and membership (``align="index"``).
     sample_keys_full_list: str | None = None
     #: Aspect-ratio bucket (``"16_9"``) when the shard lives under ``aspect_ratio_W_H/``.
     bucket: str | None = None
-
-    def __init__(self, path: str, root: str, modalities: Iterable[str] | None = None,
-                 count: int | None = None, dset_id: str = "dset: 0",
-                 sample_keys_full_list: str | None = None, bucket: str | None = None, *,
-                 keys: Iterable[str] | None = None) -> None:
-        if keys is not None:
-            warn_renamed("Shard(keys=...)", "modalities")
-            if modalities is not None:
-                raise CatalogError("Shard: got both modalities and its old name keys")
-            modalities = keys
-        if modalities is None:
-            raise CatalogError(f"Shard {path}: expected modalities, got none")
-        self.__attrs_init__(path, root, modalities, count, dset_id, sample_keys_full_list, bucket)
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Deprecated name of :attr:`modalities`."""
-        warn_renamed("Shard.keys", "modalities")
-        return self.modalities
 
     def url(self, modality: str) -> str:
         """URL of this shard's tar for ``modality``."""

@@ -29,7 +29,6 @@ from ray_ingest.catalog.shard import (
     _ShardSeq,
     _tuple_of_str,
     check_root_mode,
-    warn_renamed,
 )
 from ray_ingest.errors import CatalogError, IngestError
 from ray_ingest.twintar import remote
@@ -155,17 +154,6 @@ def _field(doc: dict[str, Any], name: str, url: str, types: type | tuple[type, .
     return value
 
 
-def _modalities_arg(modalities: Sequence[str] | None, keys: Sequence[str] | None,
-                    where: str) -> Sequence[str] | None:
-    if keys is not None:
-        warn_renamed(f"{where}(keys=...)", "modalities")
-        if modalities is not None:
-            raise CatalogError(f"{where}: got both modalities and its old name keys; give only "
-                               "modalities")
-        return keys
-    return modalities
-
-
 def parse_wdinfo(
     doc: Any,
     url: str,
@@ -173,10 +161,8 @@ def parse_wdinfo(
     dset_id: str = "dset: 0",
     *,
     root: str = "wdinfo",
-    keys: Sequence[str] | None = None,
 ) -> Wdinfo:
     """Validate a decoded wdinfo document; every error names ``url`` and the field."""
-    modalities = _modalities_arg(modalities, keys, "parse_wdinfo")
     if not isinstance(doc, dict):
         raise CatalogError(f"{url}: expected a JSON object, got {type(doc).__name__}")
     data_list = _field(doc, "data_list", url, list)
@@ -380,14 +366,12 @@ def read_wdinfo(
     storage_options: dict[str, Any] | None = None,
     *,
     root: str = "wdinfo",
-    keys: Sequence[str] | None = None,
 ) -> Wdinfo:
     """Read and validate one wdinfo.json over fsspec (remote reads retry, see ``remote``).
 
     ``root``: ``wdinfo`` reads the tars under the wdinfo's ``root`` (PiD), ``folder`` under the
     folder holding it.
     """
-    modalities = _modalities_arg(modalities, keys, "read_wdinfo")
     check_root_mode(root)
     try:
         raw = remote.read_bytes(url, storage_options)

@@ -26,11 +26,11 @@ from ray_ingest.tools.audit import (
 @click.option("--rank", type=int, default=0, show_default=True, help="rank for --step")
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr, one tick per epoch (default: only on a terminal).")
-def command(ledger_dir: str, data: tuple[str, ...], modalities: str | None,
-            old_keys: str | None, step: int | None, rank: int, progress: bool | None) -> None:
+def command(ledger_dir: str, data: tuple[str, ...], modalities: str | None, step: int | None,
+            rank: int, progress: bool | None) -> None:
     """Per epoch: samples expected, seen, duplicated, missing, and a status: exactly-once,
     incomplete (the run stopped inside the epoch) or violation (exit 1)."""
-    mods = modalities_arg(modalities, old_keys)
+    mods = modalities_arg(modalities)
     ledgers = read_ledgers(ledger_dir)
     if step is not None:
         click.echo(json.dumps(keys_at(ledgers, rank, step)))

@@ -31,12 +31,12 @@ def _csv(text: str | None) -> list[str] | None:
 @click.option("--limit", type=int, default=None, help="Stop after N samples.")
 @click.option("--root", "root_mode", type=click.Choice(ROOT_MODES), default="wdinfo",
               show_default=True, help="Tars under the wdinfo's root, or the folder holding it.")
-def command(paths: tuple[str, ...], modalities: str | None, old_keys: str | None, align: str,
+def command(paths: tuple[str, ...], modalities: str | None, align: str,
             index_path: str | None, optional: str | None, limit: int | None,
             root_mode: str) -> None:
     """One JSON line per sample of PATH... (wdinfo.json files or folders searched for them):
     {"key", "shard", "index", "<modality>": {"ext", "bytes", "sha1"}}."""
-    mods = modalities_arg(modalities, old_keys)
+    mods = modalities_arg(modalities)
     if align == "index" and index_path is None:
         raise IngestError("--index: --align index needs a parquet key list, got none")
     stats = AlignStats()

@@ -21,11 +21,11 @@ from ray_ingest.tools.summary import (
 @click.option("--root", "root_mode", type=click.Choice(ROOT_MODES), default="wdinfo",
               show_default=True, help="Tars under the wdinfo's root, or the folder holding it.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
-def command(paths: tuple[str, ...], modalities: str | None, old_keys: str | None, root_mode: str,
+def command(paths: tuple[str, ...], modalities: str | None, root_mode: str,
             as_json: bool) -> None:
     """Datasets, shards, samples, modalities, bytes, buckets and the root in use of PATH...
     (wdinfo.json files or folders searched for them)."""
-    mods = modalities_arg(modalities, old_keys)
+    mods = modalities_arg(modalities)
     try:
         summary = summarize(list(paths), modalities=mods, root=root_mode)
     except OSError as exc:

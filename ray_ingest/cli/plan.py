@@ -67,7 +67,6 @@ def command(
     repeat: bool,
     start_index: int,
     modalities: str | None,
-    old_keys: str | None,
     root_mode: str,
     as_json: bool,
 ) -> None:
@@ -76,7 +75,7 @@ def command(
     With --rank and --worker: that worker's shards, one data_list path per line. With
     --json: one JSON line per selected (rank, worker); all of them when none is selected.
     """
-    mods = modalities_arg(modalities, old_keys)
+    mods = modalities_arg(modalities)
     if not as_json and (rank is None or worker is None):
         raise ConfigError("--rank/--worker: expected both (or --json), got "
                           f"rank={rank} worker={worker}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import posixpath
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,16 +43,8 @@ _OUT_LEAF, _OUT_PATH, _OUT_POS = "__out_leaf__", "__out_path__", "__out_pos__"
 _SIZE = "__size__"
 
 
-def _modalities(modalities: Sequence[str] | str | None, keys: Sequence[str] | str | None,
-                where: str) -> tuple[str, ...] | None:
-    """``modalities=``, or the deprecated ``keys=`` spelling (DeprecationWarning)."""
-    if keys is not None:
-        if modalities is not None:
-            raise ConfigError(f"{where}: pass modalities= (keys= is its deprecated alias), "
-                              "not both")
-        warnings.warn(f"{where}: keys= is deprecated, use modalities=", DeprecationWarning,
-                      stacklevel=3)
-        modalities = keys
+def _modalities(modalities: Sequence[str] | str | None, where: str) -> tuple[str, ...] | None:
+    """``modalities=`` (a list or a comma-separated string) checked: distinct, non-empty."""
     if modalities is None:
         return None
     if isinstance(modalities, str):
@@ -152,7 +143,6 @@ def read_twin_tars(
     paths: str | Sequence[str],
     *,
     modalities: Sequence[str] | str | None = None,
-    keys: Sequence[str] | str | None = None,
     align: str = "strict",
     optional: Sequence[str] = (),
     index_path: str | None = None,
@@ -180,7 +170,6 @@ def read_twin_tars(
         paths: wdinfo.json files or folders searched for them (local, ``gs://``, ``memory://``).
         modalities: modality folders to read, the first drives alignment (default: the first
             wdinfo's ``data_keys``).
-        keys: deprecated alias of ``modalities``.
         align: ``strict`` | ``merge`` | ``index`` (as the loader, :mod:`ray_ingest.twintar.twin`).
         optional: modalities that may lack a sample (their value is then None).
         index_path: parquet key list for ``align="index"``.
@@ -210,7 +199,7 @@ def read_twin_tars(
         (missing tar, strict misalignment) surface when the Dataset executes, naming the shard.
     """
     so = dict(storage_options or {})
-    mods = _modalities(modalities, keys, "read_twin_tars")
+    mods = _modalities(modalities, "read_twin_tars")
     if isinstance(paths, str):
         paths = [paths]
     paths = list(paths)

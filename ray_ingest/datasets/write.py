@@ -45,10 +45,9 @@ from ray_ingest.datasets.read import (
     _modalities,
 )
 from ray_ingest.errors import ConfigError, IngestError
-from ray_ingest.tools.shard import _groups as group_into_shards
 from ray_ingest.twintar.dataset import DatasetReport, finish_dataset, prepare_output
 from ray_ingest.twintar.fsio import join_url
-from ray_ingest.twintar.layout import bucket_dir, shard_rel_path
+from ray_ingest.twintar.layout import bucket_dir, pack_shards, shard_rel_path
 from ray_ingest.twintar.twin import INDEX, KEY, SHARD, ext_column
 from ray_ingest.twintar.writer import ShardInfo, ShardWriter, existing_shard
 
@@ -186,11 +185,10 @@ def _plan_reshard(ds: ray.data.Dataset, modalities: Sequence[str], bucket_column
         end = start
         while end < len(keys) and leaves[end] == leaves[start]:
             end += 1
-        groups = group_into_shards(keys[start:end], sizes[start:end], shard_size,
-                                   max_shard_bytes or 0)
-        for shard_id, group in enumerate(groups):
+        shards = pack_shards(keys[start:end], sizes[start:end], shard_size, max_shard_bytes or 0)
+        for shard_id, members in enumerate(shards):
             path = shard_rel_path(shard_id, part_size)
-            for pos in range(len(group)):
+            for pos in range(len(members)):
                 out_leaf.append(leaves[start])
                 out_path.append(path)
                 out_pos.append(pos)
@@ -381,7 +379,6 @@ def write_twin_tars(
     path: str,
     *,
     modalities: Sequence[str] | str | None = None,
-    keys: Sequence[str] | str | None = None,
     shard_size: int | None = None,
     max_shard_bytes: int | None = None,
     bucket_column: str | None = None,
@@ -422,7 +419,6 @@ def write_twin_tars(
         ds: the Dataset.
         path: output folder (local, ``gs://``); absent, empty or a previous run's output.
         modalities: modality columns to write, in ``data_keys`` order (the first drives).
-        keys: deprecated alias of ``modalities``.
         shard_size, max_shard_bytes: re-shard by count or by member bytes (one of them).
         bucket_column: column naming each sample's aspect bucket (``16_9``; "" or null: top).
         extensions: default member extension per modality (``{"image": "jpg"}``).
@@ -439,7 +435,7 @@ def write_twin_tars(
         :class:`TwinWriteReport`: samples, shards, wdinfo URLs, bytes, shards written and kept.
     """
     so = dict(storage_options or {})
-    mods = _modalities(modalities, keys, "write_twin_tars")
+    mods = _modalities(modalities, "write_twin_tars")
     if mods is None:
         raise ConfigError("write_twin_tars: modalities: expected the modality columns to "
                           "write, got none")

@@ -32,7 +32,6 @@ import numpy as np
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.catalog.shard import Shard
-from ray_ingest.catalog.wdinfo import _modalities_arg
 from ray_ingest.decode.decoder import (
     IMAGE_EXTS,
     SampleError,
@@ -675,7 +674,6 @@ def open_dataset(
     storage_options: Mapping[str, Any] | None = None,
     image_modality: str | None = None,
     caption_modality: str | None = None,
-    keys: Sequence[str] | None = None,
 ) -> DatasetView:
     """Open datasets for browsing (only wdinfo files are read here).
 
@@ -689,9 +687,7 @@ def open_dataset(
         storage_options: fsspec options.
         image_modality: modality shown as thumbnails (default: ``image`` if present).
         caption_modality: modality shown as captions (default: ``caption`` if present).
-        keys: deprecated name of ``modalities`` (DeprecationWarning).
     """
-    modalities = _modalities_arg(modalities, keys, "open_dataset")
     so = dict(storage_options or {})
     catalog = load_catalog(paths if isinstance(paths, str) else list(paths),
                            modalities=modalities, storage_options=so)

@@ -49,6 +49,7 @@ from ray_ingest.twintar.layout import (
     aspect_bucket,
     bucket_dir,
     check_key,
+    pack_shards,
     shard_rel_path,
 )
 from ray_ingest.twintar.writer import (
@@ -89,7 +90,7 @@ class _Item:
 
 
 @attrs.frozen
-class _WriteGroup:
+class _ShardWriters:
     """Writes a list of shard jobs; returns their infos and the inputs dropped while reading.
 
     Picklable, so an executor can run groups of shards as Ray tasks.
@@ -181,26 +182,6 @@ def _image_size(url: str, storage_options: Mapping[str, Any]) -> tuple[int, int]
             return im.size  # header only: Pillow decodes lazily
     except Exception:  # noqa: BLE001 - any failure means "unreadable image"
         return None
-
-
-def _groups(stems: Sequence[str], sizes: Sequence[int], shard_size: int | None,
-            max_bytes: int) -> list[list[str]]:
-    """Split ``stems`` (in order) into shards by count, or by cumulative size (PiD's rule:
-    start a new shard when the current one is non-empty and would exceed ``max_bytes``)."""
-    if shard_size is not None:
-        return [list(stems[i : i + shard_size]) for i in range(0, len(stems), shard_size)]
-    out: list[list[str]] = []
-    cur: list[str] = []
-    total = 0
-    for stem, size in zip(stems, sizes, strict=True):
-        if cur and total + size > max_bytes:
-            out.append(cur)
-            cur, total = [], 0
-        cur.append(stem)
-        total += size
-    if cur:
-        out.append(cur)
-    return out
 
 
 def shard_folders(
@@ -378,7 +359,7 @@ def shard_folders(
         leaf = output_dir.rstrip("/") + (f"/{bucket_dir(bucket)}" if bucket else "")
         sizes = [good[primary][s].size for s in leaf_stems]
         for shard_id, group in enumerate(
-            _groups(leaf_stems, sizes, shard_size, int(max_shard_size_mb * _MB))
+            pack_shards(leaf_stems, sizes, shard_size, int(max_shard_size_mb * _MB))
         ):
             items = tuple(
                 _Item(keys[s], tuple((f, good[f][s].url, good[f][s].ext) for f in modalities))
@@ -390,7 +371,7 @@ def shard_folders(
 
     # 7. write (here, or one task per group of shards on an executor: same bytes either way)
     prepare_output(output_dir, overwrite=overwrite, storage_options=so)
-    writer = _WriteGroup(tuple(modalities), so, num_workers=num_workers,
+    writer = _ShardWriters(tuple(modalities), so, num_workers=num_workers,
                          progress=progress if executor is None else False)
     if executor is None:
         results = [writer(jobs)]

@@ -22,7 +22,6 @@ from ray_ingest.catalog.discovery import discover as discover_wdinfos
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.catalog.shard import DEFAULT_MODALITIES
 from ray_ingest.catalog.wdinfo import (
-    _modalities_arg,
     read_wdinfo,
 )
 from ray_ingest.errors import CatalogError
@@ -70,8 +69,6 @@ def summarize(
     modalities: Sequence[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     root: str = "wdinfo",
-    *,
-    keys: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Summary of the datasets under ``paths`` (wdinfo.json files or folders searched for them).
 
@@ -80,12 +77,11 @@ def summarize(
     samples) and ``wdinfos`` (one entry per file with the same fields, plus ``root`` in use,
     ``wdinfo_root``, ``folder`` and where the per-shard counts come from). ``root``: read the
     tars under each wdinfo's ``root`` (``wdinfo``) or the folder holding it (``folder``).
-    ``modalities`` default to each wdinfo's ``data_keys``; ``keys`` is their deprecated name.
+    ``modalities`` default to each wdinfo's ``data_keys``.
 
     Raises:
         CatalogError: a wdinfo is missing or malformed, or a listed tar does not exist.
     """
-    modalities = _modalities_arg(modalities, keys, "summarize")
     so = dict(storage_options or {})
     if isinstance(paths, str):
         paths = [paths]
@@ -201,7 +197,6 @@ def iter_records(
     stats: AlignStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
     root: str = "wdinfo",
-    keys: Sequence[str] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Records of every sample of the datasets under ``paths``, in catalog order.
 
@@ -216,9 +211,7 @@ def iter_records(
         stats: alignment counters to update (merge/index skips).
         storage_options: fsspec options.
         root: ``wdinfo`` (the wdinfo's root) or ``folder`` (the folder holding it).
-        keys: deprecated name of ``modalities`` (DeprecationWarning).
     """
-    modalities = _modalities_arg(modalities, keys, "iter_records")
     if limit is not None and limit <= 0:
         return
     catalog = load_catalog(list(paths) if not isinstance(paths, str) else paths,

@@ -66,3 +66,23 @@ def check_key(key: str) -> None:
             f"sample key: expected a non-empty name without '.' that is not a __metadata__ "
             f"entry, got {key!r}"
         )
+
+
+def pack_shards(stems: Sequence[str], sizes: Sequence[int], shard_size: int | None,
+                max_bytes: int) -> list[list[str]]:
+    """Split ``stems`` (in order) into shards by count, or by cumulative size (PiD's rule:
+    start a new shard when the current one is non-empty and would exceed ``max_bytes``)."""
+    if shard_size is not None:
+        return [list(stems[i : i + shard_size]) for i in range(0, len(stems), shard_size)]
+    out: list[list[str]] = []
+    cur: list[str] = []
+    total = 0
+    for stem, size in zip(stems, sizes, strict=True):
+        if cur and total + size > max_bytes:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(stem)
+        total += size
+    if cur:
+        out.append(cur)
+    return out
