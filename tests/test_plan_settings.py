@@ -69,6 +69,24 @@ def test_plan_cli_defaults_are_trainings(tmp_path, capsys):
     assert lists() == expected(LoaderConfig().plan_params())
     assert lists("--repeat") == expected(PlanParams(repeat=True)) != lists()
     assert lists("--no-shuffle", "--no-repeat") == expected(PlanParams(shuffle=False))
+    # pid mode alone is PiD's ShardlistBasic: its repeat comes with it unless switched off
+    pid = PlanParams(seed_mode="pid", repeat=True)
+    assert lists("--seed-mode", "pid") == expected(pid) != expected(PlanParams(seed_mode="pid",
+                                                                              repeat=False))
+    assert lists("--seed-mode", "pid", "--no-repeat") == expected(
+        PlanParams(seed_mode="pid", repeat=False))
+
+
+@pytest.mark.parametrize(("given", "repeat"), [
+    ({}, False), ({"seed_mode": "epoch"}, False), ({"seed_mode": "pid"}, True),
+    ({"seed_mode": "pid", "repeat": False}, False), ({"seed_mode": "epoch", "repeat": True}, True),
+])
+def test_pid_seed_mode_implies_pids_repeat_unless_set(given, repeat):
+    """One setting for a PiD user: ``seed_mode: pid`` brings PiD's cyclic repeat along."""
+    cfg = config_from_dict({"data": {"paths": ["x"]}, "loader": given})
+    assert cfg.loader.repeat is repeat and cfg.loader.plan_params().repeat is repeat
+    assert PlanParams(**given).repeat is repeat
+    assert cfg.to_dict()["loader"]["repeat"] is repeat  # what a run prints and records
 
 
 def test_stream_plan_params_is_the_config_method():

@@ -44,8 +44,9 @@ _D = DEFAULT_SETTINGS
               help="epoch: hash-seeded per epoch; pid: PiD's url lists bit for bit.")
 @click.option("--shuffle/--no-shuffle", default=_D.shuffle, show_default=True,
               help="Shuffle worker lists (loader.shuffle).")
-@click.option("--repeat/--no-repeat", default=_D.repeat, show_default=True,
-              help="Extend cyclically to slots*workers, as PiD does (loader.repeat).")
+@click.option("--repeat/--no-repeat", default=None,
+              help="Extend cyclically to slots*workers, as PiD does (loader.repeat; "
+                   "default: on with --seed-mode pid, off otherwise).")
 @click.option("--start-index", type=int, default=0, show_default=True,
               help="PiD WDS_START_INDEX: skip start_index // chunk_size // workers shards.")
 @modalities_option("Comma-separated modalities (default: the wdinfo's).")
@@ -64,7 +65,7 @@ def command(
     seed: int,
     seed_mode: str,
     shuffle: bool,
-    repeat: bool,
+    repeat: bool | None,
     start_index: int,
     modalities: str | None,
     root_mode: str,

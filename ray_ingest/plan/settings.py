@@ -53,6 +53,11 @@ def _bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     check_bool(_where(inst, attribute), value)
 
 
+def _opt_bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        check_bool(_where(inst, attribute), value)
+
+
 @attrs.frozen
 class PlanSettings:
     """What a run chooses about its shard order (everything but topology, epoch and data)."""
@@ -65,10 +70,15 @@ class PlanSettings:
     #: Shuffle each worker list (PiD ``shuffle``).
     shuffle: bool = attrs.field(default=True, validator=_bool)
     #: Extend cyclically to a multiple of ``slots * workers`` (PiD ``repeat_url``); the
-    #: extras are planned duplicates. Off by default: every shard once per epoch.
-    repeat: bool = attrs.field(default=False, validator=_bool)
+    #: extras are planned duplicates. Unset: on in ``pid`` mode (so ``seed_mode: pid`` alone
+    #: gives PiD's lists), off in ``epoch`` mode (every shard once per epoch).
+    repeat: bool = attrs.field(default=None, validator=_opt_bool)
     #: Pad every data-parallel slot to the same number of samples per epoch.
     equal_work: bool = attrs.field(default=True, validator=_bool)
+
+    def __attrs_post_init__(self) -> None:
+        if self.repeat is None:
+            object.__setattr__(self, "repeat", self.seed_mode == "pid")
 
     def settings(self) -> dict[str, Any]:
         """The five settings as a plain dict (for :class:`PlanParams` and read states)."""
