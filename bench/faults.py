@@ -2,12 +2,13 @@
 nothing was lost or duplicated.
 
 Remote faults (reset, 503, stall, truncate, and all four mixed) are injected by the loopback
-fault proxy of the test suite (``tests/faultproxy.py``) between gcsfs and a real GCS emulator;
+fault proxy of the test suite (``tests/support/faultproxy.py``) between gcsfs and a real GCS
+emulator;
 ``read_shard`` reads every shard of a synthetic twin-tar dataset through it, in this process,
 with gcsfs's own retries off so every fault reaches :mod:`ray_ingest.twintar.remote`. Rows are
 compared byte for byte with the local copy.
 
-Corrupt data (the kinds of ``tests/test_corrupt.py``: corrupt/truncated JPEG, truncated tar,
+Corrupt data (the kinds of ``tests/decode/test_corrupt.py``: corrupt/truncated JPEG, truncated tar,
 missing twin tar, misaligned keys, bad header checksum, oversized member, decompression bombs)
 is read with ``on_error=skip`` through the same read task and decoder the Ray pipeline runs;
 every good sample must come out once and decode-identical to the pristine copy, every bad one
@@ -62,9 +63,9 @@ from ray_ingest.twintar.remote import (  # noqa: E402
     RetryPolicy,
     remote_stats,
 )
-from tests import test_corrupt as corrupt  # noqa: E402  (the damage catalogue)
-from tests.faultproxy import RANDOM_KINDS, FaultProxy  # noqa: E402
-from tests.fixtures_gcs import BUCKET, free_port, upload_tree  # noqa: E402
+from tests.decode import test_corrupt as corrupt  # noqa: E402  (the damage catalogue)
+from tests.support.faultproxy import RANDOM_KINDS, FaultProxy  # noqa: E402
+from tests.support.fixtures_gcs import BUCKET, free_port, upload_tree  # noqa: E402
 
 COLUMNS = ("kind", "layer", "requests", "faulted", "retries", "bytes_compared", "samples",
            "skipped", "lost", "duplicated", "mismatches", "seconds")

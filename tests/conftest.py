@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-pytest_plugins = ("tests.fixtures_gcs",)
+pytest_plugins = ("tests.support.fixtures_gcs",)
 
 
 def _order(item) -> int:
@@ -24,7 +24,8 @@ def pytest_collection_modifyitems(config, items):
     """Run `cluster` tests (own `ray start`/`ray stop`) before anything starts the session Ray:
     `ray stop` ends every Ray process on the machine. Then `multinode` tests, whose driver is
     this process connected to a private multi-node cluster (one ray.init per process), so that
-    they normally never meet the session Ray (tests/test_multinode.py restores it otherwise)."""
+    they normally never meet the session Ray (tests/execution/test_multinode.py restores it
+    otherwise)."""
     items.sort(key=_order)
 
 

@@ -1,7 +1,7 @@
 """Object-store sizing: decoded bytes per sample and per block, and a rank's bytes in flight.
 
 Pure arithmetic over the config (no Ray): the loader uses :func:`block_rows` to cut blocks,
-docs/operations.md and ``tests/test_multinode.py`` use :func:`in_flight_bytes`.
+docs/operations.md and ``tests/execution/test_multinode.py`` use :func:`in_flight_bytes`.
 
 Where the decoded blocks of one rank sit at once (Ray Data 2.60's streaming executor):
 

@@ -6,17 +6,20 @@ as a bucket holds ``batch_size`` rows; at the end of the epoch's rows each bucke
 is filled with marked duplicates of its own rows, then pad-only batches (duplicates of the
 epoch's first rows seen) make up the planned batch count. Padding rows carry ``__seq__ = -1``
 (not a consumption) and ``__pad__ = True``. Whatever the batcher holds when a run stops is
-unconsumed and read again after a resume, so it keeps no checkpoint state. No Ray, no torch.
+unconsumed and read again after a resume: its state is only the batches it still owes the
+epoch. No Ray, no torch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from ray_ingest.columns import BUCKET, PAD, SEQ
+from ray_ingest.loader.stateful import require
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,15 @@ class BucketBatcher:
         self.batch_size = batch_size
         self.bucketing = bucketing
         self.start_epoch(0, 0)
+
+    def get_state(self) -> dict[str, Any]:
+        """The batches still owed this epoch (held rows are unconsumed: read again)."""
+        return {"remaining": self.remaining}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue an epoch that still owes ``state["remaining"]`` batches, holding nothing."""
+        (remaining,) = require(state, "BucketBatcher", "remaining")
+        self.start_epoch(0, int(remaining))
 
     def start_epoch(self, done: int, total: int) -> None:
         """Begin an epoch whose generation delivers ``total`` batches, ``done`` of them already."""

@@ -28,6 +28,7 @@ import numpy as np
 from ray_ingest.errors import GroupError
 from ray_ingest.execution.handoff import Handoff
 from ray_ingest.loader.collate import Batch
+from ray_ingest.loader.stateful import require
 from ray_ingest.plan.topology import Topology
 
 Skip = tuple[int, int, str]
@@ -76,6 +77,16 @@ class GroupShare:
         self.name = channel.name
         #: Epoch and batch of the next message (for error messages).
         self.epoch = self.step = 0
+
+    def get_state(self) -> dict[str, Any]:
+        """The epoch and batch of the next message (a batch in flight is not consumed: the
+        leader makes it again after a restore)."""
+        return {"epoch": self.epoch, "step": self.step}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Expect (follower) or send (leader) the message of ``epoch``, ``step`` next."""
+        epoch, step = require(state, "GroupShare", "epoch", "step")
+        self.epoch, self.step = int(epoch), int(step)
 
     # --- leader --------------------------------------------------------------------------
     def send_batch(self, batch: Batch, positions: Sequence[int]) -> None:

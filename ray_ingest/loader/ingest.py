@@ -90,10 +90,9 @@ class IngestLoader:
         open_execution: builds the read+decode stage for a list of read items (default:
             :class:`~ray_ingest.execution.opener.Executions`, decode threads or a Ray Data
             execution as ``decode.compute`` says); tests pass an in-process one.
-        share: this rank's :class:`~ray_ingest.loader.group.GroupShare` when one rank of the
-        parallel
-            group decodes for all (``loader.group_share``): the leader runs the pipeline and
-            sends its batches, the others receive them and build no pipeline.
+        share: this rank's :class:`~ray_ingest.loader.group.GroupShare` when one rank of
+            the parallel group decodes for all (``loader.group_share``): the leader runs the
+            pipeline and sends its batches, the others receive them and build no pipeline.
         node_pipelines: pipelines decoding on this rank's node, its own among them (the
             job passes its ranks per node): decode threads share the node's cores.
     """
@@ -117,14 +116,11 @@ class IngestLoader:
                                                storage_options=cfg.data.storage_options,
                                                cache=True, root=cfg.data.root)
         bsz = cfg.loader.batch_size
-        params = plan_params(cfg, start_index)
+        self._params = plan_params(cfg, start_index)
         if state is None:
-            state = initial_state(self.catalog.fingerprint, params, start_epoch, topology,
+            state = initial_state(self.catalog.fingerprint, self._params, start_epoch, topology,
                                   self.catalog.fingerprint_doc(), bsz)
-        else:
-            state.check_compatible(self.catalog.fingerprint, params, self.catalog.describe_change)
-            state = with_topology(state, topology, bsz)
-        self.progress = Progress(state, topology, bsz)
+        self.progress = Progress(self._resumable(state), topology, bsz)
         #: Ray metrics of this rank (ray_ingest.metrics; a no-op without Ray).
         self.recorder = LoaderMetrics(topology.rank, topology.slot, self.catalog.fingerprint)
         self.skips = SkipFilter(cfg.loader.max_skips_per_shard, cfg.loader.max_skips_per_epoch,
@@ -163,6 +159,26 @@ class IngestLoader:
         return self.executions_of.opened
 
     # --- checkpoints ---------------------------------------------------------------------
+    def get_state(self) -> dict[str, Any]:
+        """What the trainer consumed so far: the read state, as :meth:`save` writes it."""
+        return self.progress.get_state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from a read state (a :meth:`get_state`, or a checkpoint's merged state):
+        checked against this loader's data and plan, adapted to its topology. An execution
+        opened by :meth:`start` is closed (it read from the old position)."""
+        restored = self._resumable(ReadState.from_dict(state))
+        if self._started is not None:
+            self._started[1].close()
+            self._started = None
+        self.progress.load_state(restored.to_dict())
+
+    def _resumable(self, state: ReadState) -> ReadState:
+        """``state`` checked against this loader's data and plan, for its topology."""
+        state.check_compatible(self.catalog.fingerprint, self._params,
+                               self.catalog.describe_change)
+        return with_topology(state, self.topology, self.cfg.loader.batch_size)
+
     @classmethod
     def restore_state(cls, checkpoint_dir: str | None) -> ReadState | None:
         """Merge the per-rank state files of a checkpoint (None when there is none)."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from ray_ingest.columns import ERROR, INDEX, KEY, SEQ, SID
 from ray_ingest.errors import SkipBudgetExceeded
+from ray_ingest.loader.stateful import require
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class SkipFilter:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Start (or resume) an epoch whose accounted skips are ``state["skips"]``."""
-        self.epoch = state["epoch"]
-        self.accounted = tuple((int(a), int(b), str(c)) for a, b, c in state["skips"])
+        self.epoch, skips = require(state, "SkipFilter", "epoch", "skips")
+        self.accounted = tuple((int(a), int(b), str(c)) for a, b, c in skips)
         self.pending = []
         self._in_epoch = len(self.accounted)
         self._in_shard = {}

@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 
 from ray_ingest.columns import EPOCH, SEQ
+from ray_ingest.errors import StateError
 from ray_ingest.execution.handoff import Block, Execution
 from ray_ingest.loader.clock import StageClock
+from ray_ingest.loader.stateful import require
 from ray_ingest.plan.epoch import EpochPlan, ReadItem
 
 
@@ -50,9 +52,27 @@ class EpochWindow:
         self._blocks: Iterator[Block] | None = None
         self._ahead: dict[int, list[Block]] = {}
         self._ended = self._closed = False
+        #: The epochs whose rows are all handed out.
+        self._done: set[int] = set()
+
+    def get_state(self) -> dict[str, Any]:
+        """The epoch handed out next (its rows held ahead are unconsumed: read again)."""
+        left = [p.epoch for p in self.plans if p.epoch not in self._done]
+        return {"epoch": left[0] if left else None}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue at ``state["epoch"]`` (a window not opened yet): earlier epochs' plans go."""
+        (epoch,) = require(state, "EpochWindow", "epoch")
+        if self._blocks is not None:
+            raise StateError("EpochWindow.load_state: the window's execution already started")
+        self.plans = [] if epoch is None else [p for p in self.plans if p.epoch >= epoch]
 
     def blocks_of(self, plan: EpochPlan) -> Iterator[Block]:
         """The rows of ``plan``'s epoch, as they arrive; ends when the epoch's rows are in."""
+        yield from self._rows_of(plan)
+        self._done.add(plan.epoch)
+
+    def _rows_of(self, plan: EpochPlan) -> Iterator[Block]:
         if not plan.items or self._closed:
             return
         seen = 0
