@@ -121,6 +121,7 @@ class GroupShare:
     # --- followers -----------------------------------------------------------------------
     def receive(self, epoch: int) -> Message:
         """The next message for ``epoch``; a leader error or a lost leader raises GroupError."""
+        self.epoch = epoch
         try:
             kind, header, tensors = self.channel.recv()
         except GroupError:

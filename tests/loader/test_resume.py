@@ -1,6 +1,8 @@
 """Exact resume of the per-rank IngestLoader (no trainer).
 
-One checkpoint round-trip helper, :func:`run_save_load`, drives every case: run, stop after
+Through checkpoint files and several ranks (the in-memory round trip of every stage, the loader
+included, at every position is tests/support/roundtrip.py, in test_state_contract.py):
+:func:`stop_save_resume` drives every case: run, stop after
 ``stop_after`` batches, save the per-rank state files, merge them back, resume, and compare
 what was delivered before + after with an uninterrupted run. The uninterrupted reference is
 read and decoded in this process by the same code as the Ray edge
@@ -112,7 +114,7 @@ def real_samples(records: Sequence[Record], epoch: int) -> collections.Counter:
                                for sid, idx, pad in zip(r[3], r[4], r[5], strict=True) if not pad)
 
 
-def run_save_load(loader_factory: LoaderFactory, stop_after: int, ckpt_dir,
+def stop_save_resume(loader_factory: LoaderFactory, stop_after: int, ckpt_dir,
                   *, ranks: Sequence[int] = (0,), epochs: int = 2, same_sequence: bool = True,
                   baseline: dict[int, list[Record]] | None = None):
     """Stop every rank after ``stop_after`` batches, save, merge, resume; compare with a full run.
@@ -180,7 +182,7 @@ def test_round_trip(request, dataset, dataset_no_index, tmp_path, where):
     for e in (0, 1):
         assert real_samples(base[0], e) == every_sample()
     make = factory(dataset_no_index if where == "mid-epoch" else dataset, all_local=not on_ray)
-    _, state, _, after = run_save_load(make, stop, tmp_path, baseline=base)
+    _, state, _, after = stop_save_resume(make, stop, tmp_path, baseline=base)
     # what the checkpoint recorded: consumed stream positions and batches, never prefetch
     want_epoch, done = divmod(stop, PER_EPOCH) if stop != PER_EPOCH else (0, PER_EPOCH)
     assert state.epoch == want_epoch
@@ -194,7 +196,7 @@ def test_round_trip(request, dataset, dataset_no_index, tmp_path, where):
 @pytest.mark.ray
 def test_unordered_mode_is_exactly_once(ray_local, dataset, tmp_path):
     make = factory(dataset, ordered=False)
-    base, state, before, after = run_save_load(make, 4, tmp_path, epochs=1,
+    base, state, before, after = stop_save_resume(make, 4, tmp_path, epochs=1,
                                                  same_sequence=False)
     assert real_samples(before[0] + after[0], 0) == every_sample()
     assert sum(b - a for a, b in state.current.consumed[0]) == 4 * BATCH
@@ -203,7 +205,7 @@ def test_unordered_mode_is_exactly_once(ray_local, dataset, tmp_path):
 def test_ranks_save_their_own_files_and_merge(dataset, tmp_path):
     """Two slots: each rank writes its own file; the merged state resumes both exactly."""
     make = factory(dataset, world=2, all_local=True)
-    base, state, before, after = run_save_load(make, 3, tmp_path, ranks=(0, 1), epochs=1)
+    base, state, before, after = stop_save_resume(make, 3, tmp_path, ranks=(0, 1), epochs=1)
     assert sorted(os.listdir(tmp_path / "ingest_state")) == ["rank_00000.json", "rank_00001.json"]
     assert state.current.batches == (3, 3)
     assert all(len(rs) == 1 and rs[0][0] == 0 for rs in state.current.consumed)
@@ -272,7 +274,7 @@ def test_pid_start_index_is_a_starting_point(dataset, tmp_path):
     assert {r[0] for r in base[0]} == {1, 2}  # starts at WDS_EPOCH_NUM
     assert real_samples(base[0], 1) == want
     assert real_samples(base[0], 2) == every_sample()  # the next epoch reads everything
-    run_save_load(make, 4, tmp_path, epochs=3, baseline=base)
+    stop_save_resume(make, 4, tmp_path, epochs=3, baseline=base)
 
 
 def test_restore_needs_a_file_for_every_slot(dataset, tmp_path):
@@ -336,7 +338,7 @@ def test_aspect_buckets_resume_exactly_once(tmp_path):
         return IngestLoader(cfg, Topology(world_size=1, read_workers=2), catalog=catalog,
                             state=state, open_execution=LocalExecution.factory(cfg, catalog))
 
-    base, state, before, after = run_save_load(make, 5, tmp_path / "ckpt", epochs=1,
+    base, state, before, after = stop_save_resume(make, 5, tmp_path / "ckpt", epochs=1,
                                                same_sequence=False)
     want = collections.Counter((sid, i) for sid, c in enumerate(catalog.counts) for i in range(c))
     assert real_samples(before[0] + after[0], 0) == want

@@ -205,7 +205,7 @@ def _skip_scenario():
 def test_skip_filter_round_trip():
     res = run_save_load(lambda: _skip_filter(per_shard=3), _skip_scenario(),
                         {"initial": 0, "mid-epoch": 2, "end-of-epoch": 4, "next-epoch": 6})
-    assert res["initial"][1][-1].startswith("budget: shard part/000003.tar: 4 samples")
+    assert res[0][1][-1].startswith("budget: shard part/000003.tar: 4 samples")
 
 
 # --- progress ----------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_progress_round_trip():
 
     res = run_save_load(make, _progress_scenario(),
                         {"initial": 0, "mid-epoch": 2, "end-of-epoch": 3, "next-epoch": 5})
-    before, after = res["next-epoch"]
+    before, after = res[5]
     assert before[-1][0] == 1 and before[-1][1][0] == ((0, 4),)
     assert after[-1] == 2
 
