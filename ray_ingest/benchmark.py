@@ -228,6 +228,16 @@ GOALS = {"wds_dl_pw": {"whole": 1.0, "steady": 1.1}}
 CPU_GOALS = {("ours:actors", "ours:threads"): 1.15}
 
 
+def check_mode(args: argparse.Namespace, mode: str) -> None:
+    """Exit with the config's one-line reason when ``ours:MODE`` names no valid config."""
+    from ray_ingest.errors import ConfigError
+
+    try:
+        ours_config(args.data, args.res, args.batch, mode)
+    except ConfigError as e:
+        raise SystemExit(f"--only ours:{mode}: {e}") from None
+
+
 def contender(name: str) -> Callable[..., Batches]:
     """The run function of ``name``: a key of ``CONTENDERS`` or ``ours:MODE``."""
     base, sep, mode = name.partition(":")
@@ -341,7 +351,44 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quiet seconds to measure Ray's idle CPU before the runs (0: skip)")
     p.add_argument("--cpu-ref", default="ours:threads",
                    help="contender the others' CPU per sample is divided by")
+    p.add_argument("--gap-s", type=float, default=1.0,
+                   help="pause between runs, so the last run's decode workers are gone")
     return p
+
+
+def apply_sets(items: list[str]) -> None:
+    """``--set SECTION.FIELD=VALUE`` (YAML values) into ``OURS``."""
+    import yaml
+
+    for item in items:
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        if section not in OURS or not field:
+            raise SystemExit(f"--set {item!r}: expected decode.FIELD=VALUE or loader.FIELD=VALUE")
+        OURS[section][field] = yaml.safe_load(value)
+
+
+def ensure_dataset(args: argparse.Namespace) -> None:
+    """Synthesize ``args.data`` unless it holds a dataset (reused as it is otherwise)."""
+    from ray_ingest.synth import synth_dataset
+
+    if not os.path.exists(os.path.join(args.data, "wdinfo.json")):
+        synth_dataset(args.data, samples=args.samples, shard_size=args.shard_size, seed=0,
+                      min_side=args.min_side, max_side=args.max_side, overwrite=True)
+
+
+def start_ray():
+    """A private local Ray as the job's driver starts it (quiet, Ray Data's actors warm)."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from ray_ingest.pipeline import warm_up
+
+    warm_up()  # as the job's driver does right after ray.init (ray_ingest.train.main)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.execution_options.verbose_progress = False
+    return ray
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,33 +400,14 @@ def main(argv: list[str] | None = None) -> int:
         OURS["loader"]["block_rows"] = args.block_rows
     if args.pool:
         OURS["decode"].update(pool_min=args.pool, pool_max=args.pool)
-    import yaml
-
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, field = key.partition(".")
-        if section not in OURS or not field:
-            raise SystemExit(f"--set {item!r}: expected decode.FIELD=VALUE or loader.FIELD=VALUE")
-        OURS[section][field] = yaml.safe_load(value)
-    from ray_ingest.synth import synth_dataset
-
-    if not os.path.exists(os.path.join(args.data, "wdinfo.json")):
-        synth_dataset(args.data, samples=args.samples, shard_size=args.shard_size, seed=0,
-                      min_side=args.min_side, max_side=args.max_side, overwrite=True)
-    import ray
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    from ray_ingest.pipeline import warm_up
-
-    warm_up()  # as the job's driver does right after ray.init (ray_ingest.train.main)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.execution_options.verbose_progress = False
+    apply_sets(args.set)
+    ensure_dataset(args)
+    ray = start_ray()
     names = [n for n in args.only.split(",") if n]
     runners = {n: contender(n) for n in names}
     for n in names:  # a bad ours:MODE fails now, not after the other contenders' runs
         if n.startswith("ours:"):
-            ours_config(args.data, args.res, args.batch, n.partition(":")[2])
+            check_mode(args, n.partition(":")[2])
     idle = None
     if args.idle_s > 0:
         idle = cpu_roles.measure_idle(args.idle_s, settle_s=IDLE_SETTLE_S)
@@ -388,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.runs):
         for name in names:
             mult = args.cores if name == "ceiling" else 1
+            time.sleep(args.gap_s)
             sampler = (cpu_roles.Sampler(interval=args.cpu_interval).start()
                        if args.cpu_interval > 0 else None)
             cpu0 = _cpu_s()
