@@ -478,19 +478,21 @@ class Sampler:
         t0 = time.perf_counter()
         tracker = Tracker(t0, self._scan())
         me = threading.get_native_id()
-        tbase, tlast, tgroups = {}, {}, {}
+        tbase: dict[tuple[int, int], ProcStat] = {}
+        tlast: dict[tuple[int, int], ProcStat] = {}
+        names: dict[int, str] = {}  # tid -> Python name, kept after the thread ends
         if self.threads:
             tbase = {t.key: t for t in read_threads(self.root, self.proc)}
             tlast = dict(tbase)
-            self._group_threads(tbase, tgroups, me)
+            names.update(self._names())
         self._ready.set()
         while not self._stop.wait(self.interval):
             tracker.observe(time.perf_counter(), self._scan())
             if self.threads:
-                self._sample_threads(tlast, tgroups, me)
+                self._sample_threads(tlast, names)
         tracker.observe(time.perf_counter(), self._scan())
         if self.threads:
-            self._sample_threads(tlast, tgroups, me)
+            self._sample_threads(tlast, names)
         wall = time.perf_counter() - t0
         busy1, _ = machine_cpu_s(self.proc)
         roles, ended, missed = tracker.account(self.root)
@@ -501,7 +503,9 @@ class Sampler:
         if self.threads:
             trainer = [k for k in tracker.seen if k[0] == self.root]
             grown = sum(tracker.growth()[k] for k in trainer)
-            split = thread_split(tbase, tlast, tgroups, grown)
+            groups = {k: thread_group(names.get(t.pid), t.comm, sampler=t.pid == me)
+                      for k, t in tlast.items()}
+            split = thread_split(tbase, tlast, groups, grown)
         self._account = Account(wall_s=wall, roles=roles, threads=split,
                                 titles=tracker.titles(self.root), ended=ended,
                                 est_missed_s=missed, snapshots=tracker.snapshots,
@@ -532,19 +536,12 @@ class Sampler:
         self._members = {pid: s.start for pid, s in now.items()}
         return list(now.values())
 
-    def _group_threads(self, threads: Mapping[tuple[int, int], ProcStat],
-                       groups: dict[tuple[int, int], str], me: int) -> None:
-        names = None
-        for key, t in threads.items():
-            if key not in groups:
-                names = self._names() if names is None else names
-                groups[key] = thread_group(names.get(t.pid), t.comm, sampler=t.pid == me)
-
-    def _sample_threads(self, last: dict[tuple[int, int], ProcStat],
-                        groups: dict[tuple[int, int], str], me: int) -> None:
-        now = {t.key: t for t in read_threads(self.root, self.proc)}
-        self._group_threads(now, groups, me)
-        last.update(now)
+    def _sample_threads(self, last: dict[tuple[int, int], ProcStat], names: dict[int, str]
+                        ) -> None:
+        """Every thread's CPU now, and the Python names of the threads alive (grouped at the
+        end: a thread just started has its native id, hence its name, a moment later)."""
+        last.update({t.key: t for t in read_threads(self.root, self.proc)})
+        names.update(self._names())
 
 
 def _python_thread_names() -> dict[int, str]:

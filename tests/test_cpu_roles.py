@@ -229,6 +229,29 @@ def test_sampler_counts_a_real_child_process():
     assert acc.roles[cr.ACCOUNTING] > 0
 
 
+def test_sampler_splits_the_trainer_by_thread_name():
+    """A thread started (and ended) inside the run is grouped by its Python name."""
+    import threading
+
+    burnt = []
+
+    def burn():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.3:
+            pass
+        burnt.append(time.thread_time())
+
+    s = cr.Sampler(interval=0.05).start()
+    th = threading.Thread(target=burn, name="ray_ingest-decode_0")
+    th.start()
+    th.join()
+    acc = s.stop()
+    assert burnt[0] >= 0.3
+    # sampled while it ran (up to one interval lost when it ended, counted as ended threads)
+    assert acc.threads[cr.T_DECODE] + acc.threads[cr.T_ENDED] >= 0.3 - 2 / cr.TICK
+    assert acc.threads[cr.T_DECODE] >= 0.1
+
+
 @pytest.mark.ray
 def test_sampler_sees_a_ray_actor_under_its_role(ray_local):
     ray = ray_local
