@@ -26,7 +26,8 @@ epochs). Prints medians over ``--runs`` interleaved runs and the ratios of ours 
 Per run it also samples the CPU of every process involved from /proc (``--cpu-interval``;
 ray_ingest/cpu_roles.py): the trainer (split by thread), Ray's decode workers, idle workers, Ray
 Data's actors, raylet, GCS, agents and the DataLoader's workers, per delivered sample; before
-the runs, the idle CPU of Ray's daemons over ``--idle-s`` quiet seconds; and the ratios of
+and after the runs, the idle CPU of Ray's daemons over ``--idle-s`` quiet seconds (after the
+runs, Ray keeps idle workers and Ray Data's actors hold the sitting's stats); and the ratios of
 total CPU per sample between contenders (``--cpu-ref``).
 """
 
@@ -287,12 +288,13 @@ def summarize(t0: float, events: list[tuple[int, float, int]], mult: int = 1) ->
 IDLE_SETTLE_S = 3.0
 
 
-def print_idle(idle: cpu_roles.Account) -> None:
+def print_idle(idle: cpu_roles.Account, when: str) -> None:
     rates = idle.per_second_ms()
     daemons = sum(rates.get(r, 0.0) for r in cpu_roles.RAY_DAEMONS)
     parts = ", ".join(f"{k} {v:.1f}" for k, v in rates.items()
                       if k not in ("total", cpu_roles.ACCOUNTING))
-    print(f"idle CPU over {idle.wall_s:.1f} s, Ray up, nothing running (CPU ms per s): {parts}; "
+    print(f"idle CPU {when} over {idle.wall_s:.1f} s, Ray up, nothing running (CPU ms per s): "
+          f"{parts}; "
           f"Ray's daemons {daemons:.1f} (other processes on the machine: "
           f"{max(0.0, idle.machine_busy_s - sum(idle.roles.values())) / idle.wall_s:.2f} cores)",
           flush=True)
@@ -319,6 +321,10 @@ def summarize_cpu(runs: dict[str, list[dict]], names: list[str], ref: str) -> di
         note = f" (goal <= {goal}x)" if goal else ""
         print(f"  CPU/sample {n} / {ref} = {r:.2f}x{note}; per run {per}")
     return cpu
+
+
+def _idle_json(idle: cpu_roles.Account | None) -> dict | None:
+    return None if idle is None else {"account": idle.to_dict(), "ms_per_s": idle.per_second_ms()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -348,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-interval", type=float, default=0.2,
                    help="seconds between /proc samples of every process's CPU (0: off)")
     p.add_argument("--idle-s", type=float, default=10.0,
-                   help="quiet seconds to measure Ray's idle CPU before the runs (0: skip)")
+                   help="quiet seconds to measure Ray's idle CPU before and after the runs "
+                        "(0: skip)")
     p.add_argument("--cpu-ref", default="ours:threads",
                    help="contender the others' CPU per sample is divided by")
     p.add_argument("--gap-s", type=float, default=1.0,
@@ -411,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     idle = None
     if args.idle_s > 0:
         idle = cpu_roles.measure_idle(args.idle_s, settle_s=IDLE_SETTLE_S)
-        print_idle(idle)
+        print_idle(idle, "before the runs")
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.runs):
         for name in names:
@@ -450,6 +457,10 @@ def main(argv: list[str] | None = None) -> int:
         stalls = ", ".join(f"{x:.2f}" for x in m["boundary_stall_s"])
         print(f"  {n:10s} {m['whole']:8.1f} {m['steady']:8.1f} {m['first_batch_s']:9.2f}s  "
               f"[{stalls}] s")
+    idle_after = None
+    if args.idle_s > 0:
+        idle_after = cpu_roles.measure_idle(args.idle_s, settle_s=IDLE_SETTLE_S)
+        print_idle(idle_after, "after the runs")
     ours_names = [n for n in names if n == "ours" or n.startswith("ours:")]
     for o in ours_names:
         for n in names:
@@ -468,8 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"medians": med, "runs": runs, "args": vars(args), "cpu": cpu,
-                       "idle": None if idle is None else
-                       {"account": idle.to_dict(), "ms_per_s": idle.per_second_ms()}},
+                       "idle": _idle_json(idle), "idle_after": _idle_json(idle_after)},
                       f, indent=2)
     ray.shutdown()
     return 0
