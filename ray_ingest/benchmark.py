@@ -8,7 +8,8 @@ resize the whole image, then crop, as their users write it, unless ``--baseline-
 gives them ours, ``augment.resize_crop``, which resamples only the kept pixels):
   ours       IngestLoader (TwinTarDatasource -> Decoder actor pool -> batches), one rank
   ours:MODE  the same with ``decode.compute: MODE`` (``ours:threads,ours:tasks,ours:actors``
-             compares the decode modes in one sitting)
+             compares the decode modes in one sitting); ``ours:decode.threads=2+loader.X=Y``
+             runs any other variant
   wds_dl     webdataset tar iterators zipped per twin shard (PiD's loader) in a torch
              DataLoader with ``--cores`` workers, started afresh every epoch
   wds_dl_pw  the same DataLoader with ``persistent_workers=True`` (start-up paid once)
@@ -81,15 +82,34 @@ OURS: dict[str, dict] = {"decode": {}, "loader": {}}
 LAST_LOADER: list = []
 
 
+def variant(mode: str) -> dict[str, dict]:
+    """The overrides of ``ours:MODE``: ``MODE`` alone is a ``decode.compute`` value; with an
+    ``=`` it is ``SECTION.FIELD=VALUE`` items joined by ``+`` (YAML values), for a variant that
+    is not a decode mode (``ours:decode.compute=threads+decode.threads=2``)."""
+    import yaml
+
+    if "=" not in mode:
+        return {"decode": {"compute": mode}}
+    out: dict[str, dict] = {"decode": {}, "loader": {}}
+    for item in mode.split("+"):
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        if section not in out or not field:
+            msg = (f"ours:{mode}: {item!r} is not decode.FIELD=VALUE or loader.FIELD=VALUE")
+            raise SystemExit(msg)
+        out[section][field] = yaml.safe_load(value)
+    return out
+
+
 def ours_config(root: str, res: int, batch: int, compute: str | None = None):
-    """The ``ours`` configuration: ``OURS`` overrides, ``decode.compute`` from ``ours:MODE``."""
+    """The ``ours`` configuration: ``OURS`` overrides, then those of ``ours:MODE``
+    (``compute``: the MODE, see :func:`variant`)."""
     from ray_ingest.config import config_from_dict
 
-    decode = {"resolution": res, **OURS["decode"]}
-    if compute:
-        decode["compute"] = compute
-    return config_from_dict({"data": {"paths": [root]}, "decode": decode,
-                             "loader": {"batch_size": batch, **OURS["loader"]}})
+    over = variant(compute) if compute else {}
+    decode = {"resolution": res, **OURS["decode"], **over.get("decode", {})}
+    loader = {"batch_size": batch, **OURS["loader"], **over.get("loader", {})}
+    return config_from_dict({"data": {"paths": [root]}, "decode": decode, "loader": loader})
 
 
 def run_ours(root: str, res: int, batch: int, cores: int, epochs: int,
@@ -246,7 +266,8 @@ def contender(name: str) -> Callable[..., Batches]:
         return functools.partial(run_ours, compute=mode)
     if sep or base not in CONTENDERS:
         msg = (f"--only: unknown contender {name!r}; expected one of "
-               f"{', '.join(CONTENDERS)} or ours:MODE (a decode.compute value)")
+               f"{', '.join(CONTENDERS)} or ours:MODE (a decode.compute value, or "
+               f"SECTION.FIELD=VALUE items joined by +)")
         raise SystemExit(msg)
     return CONTENDERS[base]
 

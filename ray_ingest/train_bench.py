@@ -12,7 +12,8 @@ uint8 batch turned into floats:
   predecoded   the batches of one epoch of ours, decoded once up front and kept in memory,
                replayed every epoch: the step's time with no loader running
   ours:MODE    IngestLoader with ``decode.compute: MODE`` (``threads``, ``tasks``, ``actors``,
-               or any other mode the config accepts); ``ours`` is the default configuration
+               or any other mode the config accepts; ``SECTION.FIELD=VALUE`` items joined by
+               ``+`` for other variants, as in bench/throughput.py); ``ours`` is the default
   wds_dl_pw    webdataset tar iterators in a torch DataLoader with ``--cores`` persistent
                workers (``wds_dl``: started afresh every epoch), as in bench/throughput.py
 Per contender (medians of ``--runs`` interleaved runs, the first ``--warmup-steps`` steps of a
@@ -237,7 +238,8 @@ def contender_items(name: str, args: argparse.Namespace,
     if name in ("wds_dl_pw", "wds_dl"):
         return items_dataloader(args, persistent=name == "wds_dl_pw")
     msg = (f"--only: unknown contender {name!r}; expected {PREDECODED}, ours, ours:MODE "
-           f"(a decode.compute value), wds_dl_pw or wds_dl")
+           f"(a decode.compute value or SECTION.FIELD=VALUE items joined by +), wds_dl_pw "
+           f"or wds_dl")
     raise SystemExit(msg)
 
 
@@ -257,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2,
                    help="DataLoader workers")
     p.add_argument("--only", default=DEFAULT_ONLY,
-                   help="comma list: predecoded, ours, ours:MODE (decode.compute), wds_dl_pw, "
+                   help="comma list: predecoded, ours, ours:MODE (decode.compute, or "
+                        "SECTION.FIELD=VALUE items joined by +), wds_dl_pw, "
                         "wds_dl")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch.set_num_threads in the trainer (the step's cores)")

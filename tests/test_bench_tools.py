@@ -25,6 +25,12 @@ def test_ours_mode_contenders():
     assert tb.ours_config("/d", 64, 8).decode.compute == "auto"
     with pytest.raises(ConfigError, match="decode.compute"):
         tb.ours_config("/d", 64, 8, "fibers")
+    cfg = tb.ours_config("/d", 64, 8,
+                         "decode.compute=threads+decode.threads=3+loader.block_rows=64")
+    assert (cfg.decode.compute, cfg.decode.threads, cfg.loader.block_rows) == ("threads", 3, 64)
+    assert cfg.loader.batch_size == 8 and cfg.decode.resolution == 64
+    with pytest.raises(SystemExit, match="not decode.FIELD=VALUE"):
+        tb.ours_config("/d", 64, 8, "train.epochs=3")
 
 
 def test_summarize_steps_leaves_warmup_out():
