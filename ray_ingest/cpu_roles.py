@@ -168,9 +168,9 @@ def classify(p: ProcStat, titles: Iterable[str], trainer_pid: int, parent_role: 
     seen = [t for t in titles if t]
     if seen or p.cmd.startswith("ray::"):
         names = {t for t in seen if t != "IDLE"}
-        if names & set(AGENT_TITLES):
+        if _known(names, AGENT_TITLES):
             return AGENTS
-        if names & set(DATA_ACTOR_TITLES):
+        if _known(names, DATA_ACTOR_TITLES):
             return DATA_ACTORS
         return DECODE if names else IDLE
     if any(s in p.cmd for s in AGENT_SCRIPTS):
@@ -178,6 +178,17 @@ def classify(p: ProcStat, titles: Iterable[str], trainer_pid: int, parent_role: 
     if parent_role in (TRAINER, LOADER_PROCS):
         return LOADER_PROCS  # a DataLoader's or a multiprocessing pool's worker
     return OTHER
+
+
+#: Characters of a title in a comm (15, less ``ray::``): all a zombie or an unreadable
+#: cmdline leaves.
+COMM_TITLE = 10
+
+
+def _known(titles: Iterable[str], known: Iterable[str]) -> bool:
+    """Whether a title is one of ``known``, or the start of one cut to a comm's length."""
+    return any(t == k or (len(t) == COMM_TITLE and k.startswith(t))
+               for t in titles for k in known)
 
 
 def thread_group(name: str | None, comm: str, sampler: bool = False) -> str:
@@ -244,7 +255,7 @@ class Tracker:
             s.prev_cpu, s.prev_t = s.last.cpu_s, s.last_t
             s.last, s.last_t = p, t
             s.ended_t = None
-            for title in _titles(p):
+            for title in _titles(p, from_comm=not s.titles):
                 if title not in s.titles:
                     s.titles.append(title)
         for key, s in self.seen.items():
@@ -320,7 +331,7 @@ class Tracker:
                 missed += rate * max(0.0, (c.ended_t or c.last_t) - c.last_t)
         return out, ended, missed
 
-    def titles(self, trainer_pid: int) -> dict[str, float]:
+    def titles(self) -> dict[str, float]:
         """CPU-s per Ray worker title (a worker's non-IDLE titles joined), for the detail."""
         out: dict[str, float] = {}
         for key, g in self.growth().items():
@@ -333,8 +344,10 @@ class Tracker:
         return out
 
 
-def _titles(p: ProcStat) -> list[str]:
-    t = worker_title(p.cmd or p.comm)  # a zombie has no cmdline; its comm is the title's start
+def _titles(p: ProcStat, from_comm: bool = True) -> list[str]:
+    """The Ray title of ``p``; from its comm (the title cut to 15 characters) only when its
+    cmdline is empty (a zombie) and ``from_comm``."""
+    t = worker_title(p.cmd) if p.cmd else worker_title(p.comm) if from_comm else None
     return [t] if t else []
 
 
@@ -507,7 +520,7 @@ class Sampler:
                       for k, t in tlast.items()}
             split = thread_split(tbase, tlast, groups, grown)
         self._account = Account(wall_s=wall, roles=roles, threads=split,
-                                titles=tracker.titles(self.root), ended=ended,
+                                titles=tracker.titles(), ended=ended,
                                 est_missed_s=missed, snapshots=tracker.snapshots,
                                 machine_busy_s=busy1 - busy0)
 

@@ -65,6 +65,8 @@ def test_worker_title(cmd, title):
     (P(15, 14, 0, cmd="python -c x"), [], cr.LOADER_PROCS, cr.LOADER_PROCS),
     (P(16, 5, 0, cmd="/bin/sh -c y"), [], cr.RAYLET, cr.OTHER),
     (P(17, 1, 0, cmd="ray::IDLE", comm="ray::IDLE"), [], None, cr.IDLE),
+    (P(18, 5, 0, comm="ray::_StatsActo"), ["_StatsActo"], cr.RAYLET, cr.DATA_ACTORS),
+    (P(19, 5, 0, comm="ray::MapWorker("), ["MapWorker("], cr.RAYLET, cr.DECODE),
 ])
 def test_classify(proc, titles, parent, role):
     assert cr.classify(proc, titles, 100, parent) == role
@@ -107,13 +109,24 @@ def test_tracker_roles_tails_and_missed():
     # 400: 0.7 sampled + its 0.3 after the last sample; the unseen child's 0.5 too (one role)
     assert roles[cr.LOADER_PROCS] == pytest.approx(0.7 + 0.3 + 0.5)
     assert missed == pytest.approx(1.5 / 1.0 * 1.0)  # last rate 1.5 CPU-s/s, unseen for 1 s
-    acc = cr.Account(wall_s=2.0, roles=roles, threads={}, titles=t.titles(100), ended=ended,
+    acc = cr.Account(wall_s=2.0, roles=roles, threads={}, titles=t.titles(), ended=ended,
                      est_missed_s=missed, snapshots=t.snapshots, machine_busy_s=4.0)
     per = acc.per_sample_ms(1000)
     assert per["total"] == pytest.approx((2.0 + 0.5 + 1.5 + 1.5) / 1000 * 1e3)
     assert per[cr.DECODE] == pytest.approx(1.5)
     assert acc.per_second_ms()[cr.RAYLET] == pytest.approx(250.0)
-    assert t.titles(100) == {"MapWorker(MapBatches(D))": pytest.approx(1.5)}
+    assert t.titles() == {"MapWorker(MapBatches(D))": pytest.approx(1.5)}
+
+
+def test_tracker_zombie_title_from_comm_only_when_none_seen():
+    t = cr.Tracker(0.0, [P(100, 1, 0.0, start=0),
+                         P(7, 100, 0.0, cmd="ray::_StatsActor", comm="ray::_StatsActo"),
+                         P(8, 100, 0.0, comm="ray::_Autoscali")])  # first seen as a zombie
+    t.observe(1.0, [P(100, 1, 0.0, start=0), P(7, 100, 0.5, comm="ray::_StatsActo"),
+                    P(8, 100, 0.5, comm="ray::_Autoscali")])
+    assert t.seen[(7, 7)].titles == ["_StatsActor"]
+    assert t.seen[(8, 8)].titles == ["_Autoscali"]
+    assert t.account(100)[0][cr.DATA_ACTORS] == pytest.approx(1.0)
 
 
 def test_tracker_unseen_children_of_mixed_roles_and_reused_pid():
