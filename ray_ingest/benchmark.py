@@ -464,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['cpu_s'] / s['wall_s']:.2f} cores busy", flush=True)
             if sampler is not None:
                 print("      " + cpu_roles.run_line(s["cpu_roles"], s["samples"]), flush=True)
+    idle_after = None
+    if args.idle_s > 0:
+        idle_after = cpu_roles.measure_idle(args.idle_s, settle_s=IDLE_SETTLE_S)
+        print_idle(idle_after, "after the runs")
     med = {n: {k: statistics.median(run[k] for run in v) for k in ("whole", "steady",
                                                                     "first_batch_s")}
            for n, v in runs.items()}
@@ -472,26 +476,23 @@ def main(argv: list[str] | None = None) -> int:
         med[n]["boundary_stall_s"] = [statistics.median(x) for x in per]
     print(f"\nmedians of {args.runs} interleaved runs, {args.epochs} epochs "
           f"(ceiling = 1-process rate x cores; baselines resize: {args.baseline_resize}):")
-    print(f"  {'contender':10s} {'whole':>8s} {'steady':>8s} {'1st batch':>10s}  boundary stalls")
+    w = max(10, *map(len, names))
+    print(f"  {'contender':{w}s} {'whole':>8s} {'steady':>8s} {'1st batch':>10s}  boundary stalls")
     for n in names:
         m = med[n]
         stalls = ", ".join(f"{x:.2f}" for x in m["boundary_stall_s"])
-        print(f"  {n:10s} {m['whole']:8.1f} {m['steady']:8.1f} {m['first_batch_s']:9.2f}s  "
+        print(f"  {n:{w}s} {m['whole']:8.1f} {m['steady']:8.1f} {m['first_batch_s']:9.2f}s  "
               f"[{stalls}] s")
-    idle_after = None
-    if args.idle_s > 0:
-        idle_after = cpu_roles.measure_idle(args.idle_s, settle_s=IDLE_SETTLE_S)
-        print_idle(idle_after, "after the runs")
     ours_names = [n for n in names if n == "ours" or n.startswith("ours:")]
     for o in ours_names:
         for n in names:
             if n in ours_names:
                 continue
             goal = GOALS.get(n, {})
-            w, s = med[o]["whole"] / med[n]["whole"], med[o]["steady"] / med[n]["steady"]
+            wr, s = med[o]["whole"] / med[n]["whole"], med[o]["steady"] / med[n]["steady"]
             note = (f" (goal whole >= {goal['whole']}x, steady >= {goal['steady']}x)"
                     if goal else "")
-            print(f"  {o} / {n:9s} = {w:.2f}x whole run, {s:.2f}x steady state{note}")
+            print(f"  {o} / {n:9s} = {wr:.2f}x whole run, {s:.2f}x steady state{note}")
     cpu = summarize_cpu(runs, names, args.cpu_ref) if args.cpu_interval > 0 else None
     if ours_names and LAST_LOADER:
         loader = LAST_LOADER[0]

@@ -165,12 +165,13 @@ def compare_steps(runs: Mapping[str, Sequence[Mapping[str, float]]], ref: str = 
 
 def format_steps(med: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The summary table: one line per contender."""
-    lines = [f"  {'contender':13s} {'step ms':>8s} {'p90':>7s} {'wait ms':>8s} {'mean':>7s} "
+    w = max(13, *map(len, med)) if med else 13
+    lines = [f"  {'contender':{w}s} {'step ms':>8s} {'p90':>7s} {'wait ms':>8s} {'mean':>7s} "
              f"{'wait %':>6s} {'samples/s':>9s} {'steady':>7s} {'inflation':>9s} {'pace':>6s}"]
     for name, m in med.items():
         infl = f"{m['inflation']:8.2f}x" if "inflation" in m else f"{'-':>9s}"
         pace = f"{m['pace']:5.2f}x" if "pace" in m else f"{'-':>6s}"
-        lines.append(f"  {name:13s} {m['step_ms']:8.1f} {m['step_p90_ms']:7.1f} "
+        lines.append(f"  {name:{w}s} {m['step_ms']:8.1f} {m['step_p90_ms']:7.1f} "
                      f"{m['wait_ms']:8.1f} {m['wait_mean_ms']:7.1f} {m['wait_share'] * 100:5.1f}% "
                      f"{m['samples_s']:9.1f} {m['steady_samples_s']:7.1f} {infl} {pace}")
     return lines
