@@ -2,11 +2,11 @@
 
 The figure behind decode sizing (docs/operations.md "Sizing the decode pool"): decode CPUs for a
 target rate R samples/s are ``R × cost_s``, per GPU ``R_gpu × cost_s``. Runs the real
-:class:`ray_ingest.decode.Decoder` in this process (no Ray), on synthetic JPEGs
-(``ray_ingest.synth.make_image``: gradients plus noise blocks, quality 90; natural photos of the
-same size usually cost more to entropy-decode, so treat the figures as a lower bound). The
+:class:`ray_ingest.decode.decoder.Decoder` in this process (no Ray), on synthetic JPEGs
+(``ray_ingest.tools.synth.make_image``: gradients plus noise blocks, quality 90; natural photos of
+the same size usually cost more to entropy-decode, so treat the figures as a lower bound). The
 ``Image.open`` column is the same Decoder opening JPEGs with Pillow's Python parser instead of
-``ray_ingest.jpeg``; ``whole`` also resizes the whole image before it crops (the textbook
+``ray_ingest.decode.jpeg``; ``whole`` also resizes the whole image before it crops (the textbook
 transform, ``augment.resize_then_crop``). All three give the same bytes.
 
     .venv/bin/python bench/decode_cost.py [--images 8] [--repetitions 3]
@@ -22,15 +22,21 @@ import time
 
 import numpy as np
 
-from ray_ingest import augment, jpeg
 from ray_ingest.config import DecodeConfig
-from ray_ingest.decode import Decoder
-from ray_ingest.synth import SampleSpec, make_image
-from ray_ingest.twin import ext_column
+from ray_ingest.decode import (
+    augment,
+    jpeg,
+)
+from ray_ingest.decode.decoder import Decoder
+from ray_ingest.tools.synth import (
+    SampleSpec,
+    make_image,
+)
+from ray_ingest.twintar.twin import ext_column
 
-#: Timed paths, interleaved: the Decoder as configured (JPEG headers parsed by ray_ingest.jpeg,
-#: kept-pixel resize); JPEGs through ``Image.open`` instead; and the textbook path (``Image.open``,
-#: whole resize, then crop).
+#: Timed paths, interleaved: the Decoder as configured (JPEG headers parsed by
+#: ray_ingest.decode.jpeg, kept-pixel resize); JPEGs through ``Image.open`` instead; and the
+#: textbook path (``Image.open``, whole resize, then crop).
 MODES = ("default", "Image.open", "whole")
 #: (label, source width, source height, resolution, bucket): output = bucket shape at area res².
 CASES = (

@@ -4,8 +4,8 @@ nothing was lost or duplicated.
 Remote faults (reset, 503, stall, truncate, and all four mixed) are injected by the loopback
 fault proxy of the test suite (``tests/faultproxy.py``) between gcsfs and a real GCS emulator;
 ``read_shard`` reads every shard of a synthetic twin-tar dataset through it, in this process,
-with gcsfs's own retries off so every fault reaches :mod:`ray_ingest.remote`. Rows are compared
-byte for byte with the local copy.
+with gcsfs's own retries off so every fault reaches :mod:`ray_ingest.twintar.remote`. Rows are
+compared byte for byte with the local copy.
 
 Corrupt data (the kinds of ``tests/test_corrupt.py``: corrupt/truncated JPEG, truncated tar,
 missing twin tar, misaligned keys, bad header checksum, oversized member, decompression bombs)
@@ -47,12 +47,21 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ray_ingest.catalog import load_catalog  # noqa: E402
-from ray_ingest.decode import Decoder  # noqa: E402
-from ray_ingest.reader import ReadOptions, read_shard  # noqa: E402
-from ray_ingest.remote import RetryPolicy, remote_stats  # noqa: E402
-from ray_ingest.source import ReadItem, read_item  # noqa: E402
-from ray_ingest.synth import synth_dataset  # noqa: E402
+from ray_ingest.catalog.load import load_catalog  # noqa: E402
+from ray_ingest.decode.decoder import Decoder  # noqa: E402
+from ray_ingest.execution.read import (  # noqa: E402
+    ReadItem,
+    read_item,
+)
+from ray_ingest.tools.synth import synth_dataset  # noqa: E402
+from ray_ingest.twintar.reader import (  # noqa: E402
+    ReadOptions,
+    read_shard,
+)
+from ray_ingest.twintar.remote import (  # noqa: E402
+    RetryPolicy,
+    remote_stats,
+)
 from tests import test_corrupt as corrupt  # noqa: E402  (the damage catalogue)
 from tests.faultproxy import RANDOM_KINDS, FaultProxy  # noqa: E402
 from tests.fixtures_gcs import BUCKET, free_port, upload_tree  # noqa: E402
@@ -83,7 +92,7 @@ def emulator() -> Iterator[tuple[int, dict[str, Any]]]:
 
 @contextlib.contextmanager
 def gcsfs_retries_off() -> Iterator[None]:
-    """As the ``fault_proxy`` fixture: every injected fault reaches ray_ingest.remote."""
+    """As the ``fault_proxy`` fixture: every injected fault reaches ray_ingest.twintar.remote."""
     import gcsfs.retry
 
     saved = gcsfs.retry.is_retriable
@@ -197,9 +206,9 @@ def ray_rows(pristine: Path, work: Path, local: Path, gs_root: str, port: int,
     import ray
 
     from ray_ingest.config import config_from_dict
+    from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.state import slot_stream
     from ray_ingest.plan.topology import Topology
-    from ray_ingest.stream import IngestLoader
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})

@@ -28,7 +28,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from ray_ingest.synth import synth_dataset  # noqa: E402
+from ray_ingest.tools.synth import synth_dataset  # noqa: E402
 
 DONE = "[train] done: "
 

@@ -89,7 +89,7 @@ def wdinfo_path(data: str, n: int) -> str:
 
 def case_load(args: argparse.Namespace, n: int, extras: bool) -> dict:
     """Load + counts + one rank's plan, in this fresh process; extras: fingerprint, pickle."""
-    from ray_ingest.catalog import load_catalog
+    from ray_ingest.catalog.load import load_catalog
 
     path = wdinfo_path(args.data, n)
     topo = Topology(args.world_size, args.rank, args.num_workers)

@@ -1,8 +1,8 @@
 """Resume cost: time to first batch after resuming at 10%, 50% and 90% of an epoch vs a fresh start.
 
-Runs :class:`ray_ingest.stream.IngestLoader` directly (no trainer) on one local Ray. A resumed
-start reads the saved per-rank state file back (``IngestLoader.restore_state``), plans only the
-unconsumed samples and seeks into the first partial shard with its key index; a fresh start
+Runs :class:`ray_ingest.loader.ingest.IngestLoader` directly (no trainer) on one local Ray. A
+resumed start reads the saved per-rank state file back (``IngestLoader.restore_state``), plans only
+the unconsumed samples and seeks into the first partial shard with its key index; a fresh start
 reads from the top. Every round runs all cases in a rotating order; the table shows medians.
 Optional baselines from the same sitting: the same resume on tars without key indexes (the
 partial shard is streamed past), and Ray's upstream pattern, replaying the epoch from the start
@@ -31,8 +31,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
-from ray_ingest.catalog import Catalog, TarSample, Wdinfo, load_catalog  # noqa: E402
+from ray_ingest.catalog.catalog import Catalog  # noqa: E402
+from ray_ingest.catalog.load import load_catalog  # noqa: E402
+from ray_ingest.catalog.shard import TarSample  # noqa: E402
+from ray_ingest.catalog.wdinfo import Wdinfo  # noqa: E402
 from ray_ingest.config import Config, config_from_dict  # noqa: E402
+from ray_ingest.loader.ingest import (  # noqa: E402
+    IngestLoader,
+    plan_params,
+)
 from ray_ingest.plan import PlanParams, Topology  # noqa: E402
 from ray_ingest.plan.epoch import read_items  # noqa: E402
 from ray_ingest.plan.state import (  # noqa: E402
@@ -42,8 +49,7 @@ from ray_ingest.plan.state import (  # noqa: E402
     with_progress,
     with_topology,
 )
-from ray_ingest.stream import IngestLoader, plan_params  # noqa: E402
-from ray_ingest.synth import synth_dataset  # noqa: E402
+from ray_ingest.tools.synth import synth_dataset  # noqa: E402
 
 OFFSETS = (0.1, 0.5, 0.9)
 

@@ -1,7 +1,7 @@
 """Twin-tar read throughput: lockstep expansion (reader.read_shard) vs plain ``tarfile``.
 
-Builds a two-modality (image + caption) twin-tar dataset with ``ray_ingest.synth``, then times,
-in the same sitting and interleaved (alternating which goes first), over every shard:
+Builds a two-modality (image + caption) twin-tar dataset with ``ray_ingest.tools.synth``, then
+times, in the same sitting and interleaved (alternating which goes first), over every shard:
 
 (a) ``reader.read_shard`` in strict mode (and merge mode, for information): both modalities'
     tars opened and expanded in lockstep into aligned rows;
@@ -28,9 +28,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ray_ingest.catalog import Catalog, load_catalog
-from ray_ingest.reader import ReadOptions, read_shard
-from ray_ingest.synth import synth_dataset
+from ray_ingest.catalog.catalog import Catalog
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.twintar.reader import (
+    ReadOptions,
+    read_shard,
+)
 
 MODALITIES = ("image", "caption")
 

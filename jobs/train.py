@@ -9,7 +9,7 @@ import sys
 # The job's working_dir is a checkout: make `ray_ingest` importable without installing it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ray_ingest.train import main  # noqa: E402
+from ray_ingest.train.job import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,12 +1,14 @@
 """ray_ingest: twin-tar WebDataset ingest on Ray.
 
-Pure layers (no Ray, no torch): :mod:`ray_ingest.catalog`, :mod:`ray_ingest.tario`,
-:mod:`ray_ingest.twin`, :mod:`ray_ingest.plan`, and the loader's stages. Ray lives in
-:mod:`ray_ingest.datasource`, :mod:`ray_ingest.pipeline` (the loader's Ray edge, opened by
-:mod:`ray_ingest.executions`), :mod:`ray_ingest.train` and :mod:`ray_ingest.dataset`.
+Packages follow the data flow: ``twintar`` (tars on storage) -> ``catalog`` (which shards) ->
+``plan`` (which rank reads what) -> ``decode`` -> ``execution`` (threads, or Ray Data with
+decode actors or tasks) -> ``loader`` (the per-rank :class:`IngestLoader`) -> ``train`` (the
+TorchTrainer job); ``datasets`` holds ``read_twin_tars``/``write_twin_tars``, ``tools`` the
+offline commands, ``cli`` the ``ray-ingest`` entry point. Ray is imported only by
+``execution.raydata``, ``datasets``, ``train`` and where a tool runs on Ray.
 
-``read_twin_tars`` and ``write_twin_tars`` (:mod:`ray_ingest.dataset`) are importable from
-here; they load Ray on first use, so ``import ray_ingest`` stays cheap.
+``read_twin_tars``, ``write_twin_tars`` and ``IngestLoader`` are importable from here; they load
+on first use, so ``import ray_ingest`` stays cheap.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["read_twin_tars", "write_twin_tars"]
+__all__ = ["IngestLoader", "read_twin_tars", "write_twin_tars"]
 
-_LAZY = {"read_twin_tars": "ray_ingest.dataset", "write_twin_tars": "ray_ingest.dataset"}
+_LAZY = {"IngestLoader": "ray_ingest.loader.ingest",
+         "read_twin_tars": "ray_ingest.datasets.read",
+         "write_twin_tars": "ray_ingest.datasets.write"}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,11 +16,17 @@ import attrs
 import fsspec
 import yaml
 
-from ray_ingest.catalog import ROOT_MODES, warn_renamed
+from ray_ingest.catalog.shard import (
+    ROOT_MODES,
+    warn_renamed,
+)
 from ray_ingest.errors import ConfigError
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.settings import PlanSettings
-from ray_ingest.twin import ALIGN_MODES, DEFAULT_WINDOW
+from ray_ingest.twintar.twin import (
+    ALIGN_MODES,
+    DEFAULT_WINDOW,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +154,8 @@ class DecodeConfig:
     #: node's reused worker processes, at most pool_max at a time (an execution starts in
     #: ~0.3 s once workers are warm: cheap resumes and windows on small nodes; no pool floor,
     #: and a lower steady rate: docs/operations.md); ``threads``, ``threads`` threads of the
-    #: rank's own process (no Ray: ray_ingest/threads.py); ``auto``, threads on a small
-    #: single-node cluster, actors otherwise (:func:`ray_ingest.threads.resolve_compute`).
+    #: rank's own process (no Ray: ray_ingest/execution/threads.py); ``auto``, threads on a small
+    #: single-node cluster, actors otherwise (:func:`ray_ingest.execution.threads.resolve_compute`).
     compute: str = attrs.field(default="auto", validator=_one_of(COMPUTE_MODES))
     #: Decode threads of ``compute: threads`` (None: twice the cores this process may use,
     #: shared by the node's decoding pipelines: a thread waiting for the GIL leaves its core
@@ -204,7 +210,7 @@ class LoaderConfig(PlanSettings):
     block_rows: int = attrs.field(default=128, validator=_at_least(1))
     #: Upper bound on one decoded block (rows x H x W x 3 bytes): block_rows is lowered to fit,
     #: down to one row, so (prefetch_batches + 1) blocks fit a small object store
-    #: (ray_ingest.sizing; docs/operations.md "Object-store sizing").
+    #: (ray_ingest.decode.sizing; docs/operations.md "Object-store sizing").
     max_block_bytes: int = attrs.field(default=32 * 1024**2, validator=_at_least(1))
     #: Deterministic batch order (preserve_order). False trades determinism for throughput.
     ordered: bool = True
@@ -214,8 +220,8 @@ class LoaderConfig(PlanSettings):
     #: store); false: read tasks (``read_concurrency``, ``read_num_cpus``) feed the actors.
     fused_read: bool = True
     #: Batches of an execution's first items that the consumer's own process reads and
-    #: decodes while the decode actors start (ray_ingest.headstart); the execution reads the
-    #: items after them. 0: off. Only with ordered delivery, and never with a
+    #: decodes while the decode actors start (ray_ingest.execution.headstart); the execution reads
+    #: the items after them. 0: off. Only with ordered delivery, and never with a
     #: ``decode.label_selector`` (decoding is meant for those nodes then).
     head_start_batches: int = attrs.field(default=2, validator=_at_least(0))
     #: Logical CPUs this rank's Ray Data execution may use (read tasks + decode actors).

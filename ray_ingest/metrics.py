@@ -119,7 +119,7 @@ def _record(name: str, value: float, tag_values: Mapping[str, str], op: str) -> 
 
 
 class LoaderMetrics:
-    """The recorder one :class:`~ray_ingest.stream.IngestLoader` calls at a few points.
+    """The recorder one :class:`~ray_ingest.loader.ingest.IngestLoader` calls at a few points.
 
     Args:
         rank: Ray Train world rank.
@@ -196,5 +196,5 @@ def on_bytes_read(n: int) -> None:
 
 
 def on_remote_retry() -> None:
-    """A remote read is retried (called by :mod:`ray_ingest.remote`)."""
+    """A remote read is retried (called by :mod:`ray_ingest.twintar.remote`)."""
     _record("ingest_remote_retries", 1, _read_tags(), "inc")

@@ -1,6 +1,6 @@
 """Test helpers: write (deliberately imperfect) twin tars and wdinfo files.
 
-Unlike :class:`ray_ingest.writer.ShardWriter`, these helpers write whatever member list they
+Unlike :class:`ray_ingest.twintar.writer.ShardWriter`, these helpers write whatever member list they
 are given — duplicates, extras, gaps, any order — with ``tarfile``, so tests can build the
 broken inputs the readers must cope with.
 """
@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ray_ingest.tario import build_index, index_url
+from ray_ingest.twintar.tario import (
+    build_index,
+    index_url,
+)
 
 #: Default member extension per modality.
 EXT = {"image": "jpg", "caption": "json", "umt5": "npy"}

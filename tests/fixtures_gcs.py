@@ -4,7 +4,7 @@
   ``test-bucket``; sets ``STORAGE_EMULATOR_HOST`` while it runs.
 - ``fault_proxy`` (function): a :class:`tests.faultproxy.FaultProxy` in front of the emulator,
   with its own gcsfs storage options. While it is active gcsfs's own retries are switched off,
-  so every injected fault reaches :mod:`ray_ingest.remote`.
+  so every injected fault reaches :mod:`ray_ingest.twintar.remote`.
 - ``remote_figures`` (session): rows recorded by tests, printed as a table in the terminal
   summary (and written as JSON to ``$RAY_INGEST_REMOTE_FIGURES`` when set).
 - :func:`upload_tree`: copy a local folder to a ``gs://`` prefix.
@@ -146,7 +146,7 @@ def fault_proxy(gcs_server: GcsServer, monkeypatch: pytest.MonkeyPatch) -> Itera
     from tests.faultproxy import FaultProxy
 
     # gcsfs retries 5xx and aiohttp errors itself, sleeping 1-2 s, 2-3 s, …; switch that off so
-    # every fault reaches ray_ingest.remote (timeouts leak through gcsfs anyway).
+    # every fault reaches ray_ingest.twintar.remote (timeouts leak through gcsfs anyway).
     monkeypatch.setattr(gcsfs.retry, "is_retriable", lambda exc: False)
     # ... and it would log each of those as a "non-retriable exception" with a traceback.
     gcsfs_log = logging.getLogger("gcsfs")

@@ -1,9 +1,9 @@
 """Ranks of parallel groups for the group-share tests, without Ray Train.
 
 ``run_ranks`` runs one process per rank (spawned), joined in a real ``torch.distributed`` gloo
-world, each with an :class:`~ray_ingest.stream.IngestLoader` whose read and decode stages run in
-the process (ray_ingest/local.py) and whose group share is the real
-:func:`~ray_ingest.group.dist_channel`. ``ThreadChannel`` is an in-process channel for the
+world, each with an :class:`~ray_ingest.loader.ingest.IngestLoader` whose read and decode stages run
+in the process (ray_ingest/execution/local.py) and whose group share is the real
+:func:`~ray_ingest.loader.group.dist_channel`. ``ThreadChannel`` is an in-process channel for the
 stage tests that need no processes.
 """
 
@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Any
 
-from ray_ingest.group import BATCH
+from ray_ingest.loader.group import BATCH
 
 
 class ThreadChannel:
@@ -47,13 +47,16 @@ def _rank_main(rank: int, world: int, job: dict[str, Any]) -> None:
     try:
         import torch.distributed as dist
 
-        from ray_ingest.catalog import load_catalog
+        from ray_ingest.catalog.load import load_catalog
         from ray_ingest.config import config_from_dict
-        from ray_ingest.group import GroupShare, dist_channel
-        from ray_ingest.local import LocalExecution
+        from ray_ingest.execution.local import LocalExecution
+        from ray_ingest.loader.group import (
+            GroupShare,
+            dist_channel,
+        )
+        from ray_ingest.loader.ingest import IngestLoader
         from ray_ingest.plan.state import ReadState
         from ray_ingest.plan.topology import Topology
-        from ray_ingest.stream import IngestLoader
         from tests.test_stream_goldens import _record
 
         dist.init_process_group("gloo", init_method=f"file://{job['out']}/pg", rank=rank,

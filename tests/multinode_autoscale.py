@@ -15,7 +15,7 @@ selectors) decides what to launch and when to remove it. Three things keep Ray's
   environment makes ``get_node_ip_address()`` answer 127.0.0.1 (see tests/multinode.py).
 
 Run as ``python -m tests.multinode_autoscale ADDRESS DATA`` it is the driver: it streams one
-epoch through :class:`~ray_ingest.stream.IngestLoader` with ``decode.label_selector`` on a
+epoch through :class:`~ray_ingest.loader.ingest.IngestLoader` with ``decode.label_selector`` on a
 cluster that has no decode node, then waits until the launched node is removed as idle, and
 prints one JSON line (``RESULT {...}``).
 """
@@ -153,10 +153,10 @@ def _driver(address: str, data: str) -> dict[str, Any]:
     import ray._private.ray_constants as rc
     from ray.autoscaler.v2.sdk import get_cluster_status
 
-    from ray_ingest.catalog import load_catalog
+    from ray_ingest.catalog.load import load_catalog
     from ray_ingest.config import config_from_dict
+    from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.topology import Topology
-    from ray_ingest.stream import IngestLoader
 
     rc.ENABLE_RAY_CLUSTER = False  # 127.0.0.1 stays 127.0.0.1 (tests/multinode.py)
     ray.init(address=address, log_to_driver=False)

@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ray_ingest.audit import (
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.cli.audit import command as audit_command
+from ray_ingest.errors import IngestError
+from ray_ingest.tools.audit import (
     EXACTLY_ONCE,
     INCOMPLETE,
     VIOLATION,
@@ -20,10 +23,7 @@ from ray_ingest.audit import (
     read_ledgers,
     summary_line,
 )
-from ray_ingest.catalog import load_catalog
-from ray_ingest.cli.audit import command as audit_command
-from ray_ingest.errors import IngestError
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
 
 
 @pytest.fixture(scope="module")

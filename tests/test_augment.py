@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ray_ingest import augment
-from ray_ingest.augment import Geometry, resize_crop, resize_then_crop
+from ray_ingest.decode import augment
+from ray_ingest.decode.augment import (
+    Geometry,
+    resize_crop,
+    resize_then_crop,
+)
 
 
 def _noise(w: int, h: int, seed: int, mode: str = "RGB") -> Image.Image:

@@ -1,4 +1,4 @@
-"""The benchmark tools of issue 29: ``ours:MODE`` contenders (ray_ingest/benchmark.py), the
+"""The benchmark tools of issue 29: ``ours:MODE`` contenders (ray_ingest/tools/benchmark.py), the
 train-step benchmark's arithmetic, its seeded step, its loop's data-wait, and (``ray``) its
 loop fed by each decode mode on a tiny dataset."""
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from ray_ingest import benchmark as tb
-from ray_ingest import train_bench as ts
 from ray_ingest.errors import ConfigError
+from ray_ingest.tools import benchmark as tb
+from ray_ingest.tools import train_bench as ts
 
 
 def test_ours_mode_contenders():
@@ -113,7 +113,7 @@ def test_run_loop_measures_wait_and_step_apart():
 def test_train_loop_on_each_decode_mode(ray_local, tmp_path):
     """Every decode mode and the DataLoader feed the loop the same number of samples, as
     uint8 (B, res, res, 3) batches; pre-decoded batches are ours' first epoch."""
-    from ray_ingest.synth import synth_dataset
+    from ray_ingest.tools.synth import synth_dataset
 
     root = tmp_path / "ds"
     synth_dataset(str(root), samples=48, shard_size=16, seed=0, min_side=40, max_side=64)

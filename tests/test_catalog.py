@@ -7,9 +7,12 @@ import json
 import fsspec
 import pytest
 
-from ray_ingest.catalog import DatasetInfo, discover, load_catalog, read_wdinfo
+from ray_ingest.catalog.discovery import discover
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.catalog.shard import DatasetInfo
+from ray_ingest.catalog.wdinfo import read_wdinfo
 from ray_ingest.errors import CatalogError, ConfigError
-from ray_ingest.writer import write_wdinfo
+from ray_ingest.twintar.dataset import write_wdinfo
 from tests.datagen import write_json, write_twin
 
 

@@ -14,20 +14,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_ingest import catalog as catalog_mod
-from ray_ingest.catalog import (
-    Catalog,
+from ray_ingest.catalog import discovery as discovery_mod
+from ray_ingest.catalog import shard as shard_mod
+from ray_ingest.catalog import wdinfo as wdinfo_mod
+from ray_ingest.catalog.catalog import Catalog
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.catalog.shard import (
     DatasetInfo,
     TarSample,
+)
+from ray_ingest.catalog.wdinfo import (
     Wdinfo,
-    load_catalog,
     read_wdinfo,
 )
 from ray_ingest.cli.main import main
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import CatalogError, ConfigError
-from ray_ingest.tario import index_url
-from ray_ingest.writer import write_wdinfo
+from ray_ingest.twintar.dataset import write_wdinfo
+from ray_ingest.twintar.tario import index_url
 from tests.datagen import write_json, write_twin
 
 SHARD = "part_000000/000000.tar"
@@ -154,12 +158,12 @@ BAD_DOCS = [
 def test_fast_parse_equals_the_json_path(tmp_path, monkeypatch, name, parser):
     wd = write_json(tmp_path / "aspect_ratio_4_3" / "wdinfo.json", GOOD_DOCS[name])
     slow = read_wdinfo(str(wd))
-    monkeypatch.setattr(catalog_mod, "FAST_PARSE_BYTES", 0)
+    monkeypatch.setattr(wdinfo_mod, "FAST_PARSE_BYTES", 0)
     results = []
-    real = getattr(catalog_mod, parser)
-    monkeypatch.setattr(catalog_mod, parser, lambda *a: results.append(real(*a)) or results[-1])
+    real = getattr(wdinfo_mod, parser)
+    monkeypatch.setattr(wdinfo_mod, parser, lambda *a: results.append(real(*a)) or results[-1])
     other = {"_scan_parse": "_fast_parse", "_fast_parse": "_scan_parse"}[parser]
-    monkeypatch.setattr(catalog_mod, other, lambda *a: None)  # each fast parser on its own
+    monkeypatch.setattr(wdinfo_mod, other, lambda *a: None)  # each fast parser on its own
     fast = read_wdinfo(str(wd))
     # pyarrow cannot type the mixed list of "extra": that one falls back to json
     assert len(results) == 1
@@ -176,7 +180,7 @@ def test_fast_parse_equals_the_json_path(tmp_path, monkeypatch, name, parser):
 
 @pytest.mark.parametrize(("doc", "match"), BAD_DOCS)
 def test_fast_parse_keeps_every_error_message(tmp_path, monkeypatch, doc, match):
-    monkeypatch.setattr(catalog_mod, "FAST_PARSE_BYTES", 0)
+    monkeypatch.setattr(wdinfo_mod, "FAST_PARSE_BYTES", 0)
     wd = write_json(tmp_path / "wdinfo.json", doc)
     with pytest.raises(CatalogError, match=match) as err:
         read_wdinfo(str(wd))
@@ -228,7 +232,7 @@ def test_seed_format_counts_from_key_indexes(tmp_path, monkeypatch):
     assert cat.shard(2).count == 3
     assert cat.fingerprint == load_catalog(str(recorded)).fingerprint  # same data, same print
     back = pickle.loads(pickle.dumps(cat))  # ranks receive resolved counts: no index reads
-    monkeypatch.setattr(catalog_mod, "_index_count", lambda *a: pytest.fail("re-read"))
+    monkeypatch.setattr(discovery_mod, "_index_count", lambda *a: pytest.fail("re-read"))
     assert back.counts == (4, 4, 3)
 
 
@@ -236,8 +240,8 @@ def test_seed_format_without_counts_or_indexes_is_one_clear_error(tmp_path, monk
     wd = _seed_format(tmp_path, [4, 4, 3], 4, index=False)
     cat = load_catalog(str(wd))  # info, cat and plan need no counts
     reads = []
-    real = catalog_mod._index_count
-    monkeypatch.setattr(catalog_mod, "_index_count", lambda *a: reads.append(1) or real(*a))
+    real = discovery_mod._index_count
+    monkeypatch.setattr(discovery_mod, "_index_count", lambda *a: reads.append(1) or real(*a))
     for _ in range(2):
         with pytest.raises(CatalogError) as err:
             cat.counts  # noqa: B018
@@ -285,8 +289,8 @@ def test_index_reports_disagreeing_and_missing_modalities(tmp_path, capsys):
 
 
 def test_loader_accepts_a_seed_format_catalog(tmp_path):
+    from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan import Topology
-    from ray_ingest.stream import IngestLoader
 
     wd = _seed_format(tmp_path, [4, 4, 3], 4, index=True)
     cfg = config_from_dict({"data": {"paths": [str(wd)]}, "loader": {"batch_size": 2}})
@@ -329,7 +333,7 @@ def test_moved_dataset_error_names_both_places_and_the_setting(tmp_path, capsys)
 
 def test_copied_dataset_warns_once_and_info_shows_the_root(tmp_path, caplog, capsys, monkeypatch):
     wd, old = _moved(tmp_path, keep_old=True)
-    monkeypatch.setattr(catalog_mod, "_NOTICED", set())
+    monkeypatch.setattr(shard_mod, "_NOTICED", set())
     checks = []
     from fsspec.implementations.local import LocalFileSystem
 
@@ -367,7 +371,7 @@ def test_data_root_setting(tmp_path):
 
 
 def test_old_names_still_work_with_a_deprecation_warning(tmp_path, monkeypatch):
-    monkeypatch.setattr(catalog_mod, "_WARNED", set())
+    monkeypatch.setattr(shard_mod, "_WARNED", set())
     a = write_wdinfo(str(tmp_path / "a"), ["0.tar"], [2], ["image", "caption"])
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
@@ -377,7 +381,7 @@ def test_old_names_still_work_with_a_deprecation_warning(tmp_path, monkeypatch):
         assert TarSample("x.tar", "/r", keys=("caption",)).modalities == ("caption",)
         info = DatasetInfo(wdinfo=(a,), per_dataset_keys=("caption",))
         assert info.per_dataset_keys == info.per_dataset_modalities == ("caption",)
-        assert catalog_mod.DEFAULT_KEYS == catalog_mod.DEFAULT_MODALITIES
+        assert shard_mod.DEFAULT_KEYS == shard_mod.DEFAULT_MODALITIES
         assert Catalog(shards=cat.shards, keys=("image",)).modalities == ("image",)
     names = {str(w.message).split(" is deprecated")[0] for w in got
              if issubclass(w.category, DeprecationWarning)}

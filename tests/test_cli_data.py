@@ -175,12 +175,15 @@ def test_keys_flag_is_a_deprecated_alias_of_modalities(tmp_path, capsys, good):
 
 
 def test_library_keys_arguments_are_deprecated_aliases(good, monkeypatch):
-    from ray_ingest import catalog as catalog_mod
+    from ray_ingest.catalog import shard as shard_mod
     from ray_ingest.errors import CatalogError
-    from ray_ingest.summary import iter_records, summarize
+    from ray_ingest.tools.summary import (
+        iter_records,
+        summarize,
+    )
 
     assert summarize(str(good), ["caption"])["modalities"] == ["caption"]
-    monkeypatch.setattr(catalog_mod, "_WARNED", set())
+    monkeypatch.setattr(shard_mod, "_WARNED", set())
     with pytest.warns(DeprecationWarning, match=r"summarize\(keys=...\) is deprecated"):
         assert summarize(str(good), keys=["caption"])["modalities"] == ["caption"]
     with pytest.warns(DeprecationWarning, match=r"iter_records\(keys=...\) is deprecated"):

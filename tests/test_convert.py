@@ -18,13 +18,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.cli.main import main
-from ray_ingest.convert import RefusedPickle, convert_pickles, load_pickled_array
 from ray_ingest.errors import UnsafeFormatError
-from ray_ingest.reader import read_shard
-from ray_ingest.synth import synth_dataset
-from ray_ingest.tario import TarIndex, index_url, iter_members
+from ray_ingest.tools.convert import (
+    RefusedPickle,
+    convert_pickles,
+    load_pickled_array,
+)
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.twintar.reader import read_shard
+from ray_ingest.twintar.tario import (
+    TarIndex,
+    index_url,
+    iter_members,
+)
 from tests.datagen import write_tar
 
 MODS = ("image", "caption", "umt5")
@@ -158,8 +166,8 @@ def check_converted(root: Path, arrays: dict[str, np.ndarray]) -> None:
 @pytest.mark.ray
 def test_in_place_conversion_trains_without_pickle(ray_local, pid_data):
     from ray_ingest.config import config_from_dict
+    from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.topology import Topology
-    from ray_ingest.stream import IngestLoader
 
     root, arrays = pid_data
     images = {p: p.read_bytes() for p in (root / "image").rglob("*.tar")}

@@ -31,18 +31,21 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
-from ray_ingest.decode import Decoder
+from ray_ingest.decode.decoder import Decoder
 from ray_ingest.errors import IngestError, SkipBudgetExceeded
-from ray_ingest.local import LocalExecution
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.execution.read import (
+    ReadItem,
+    read_item,
+)
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
-from ray_ingest.reader import read_options
-from ray_ingest.source import ReadItem, read_item
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import synth_dataset
-from ray_ingest.tario import index_url
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.twintar.reader import read_options
+from ray_ingest.twintar.tario import index_url
 from tests.datagen import write_tar
 
 SHARD_SIZE = 6
@@ -331,7 +334,7 @@ def test_skip_records_every_bad_sample_with_its_reason(skip_run, damaged, remote
 
 def test_skip_is_logged_with_provenance(pristine, tmp_path, caplog):
     root = damaged_copy(pristine, tmp_path / "ds", ["corrupt_jpeg"])
-    with caplog.at_level(logging.WARNING, logger="ray_ingest.stream"):
+    with caplog.at_level(logging.WARNING, logger="ray_ingest.loader.ingest"):
         _, skipped, _ = run(cfg_for(root, on_error="skip"), local=True)
     assert [(i, r.split(":")[0]) for _, i, r in skipped] == [(1, "UnidentifiedImageError")]
     lines = [r.getMessage() for r in caplog.records if "skip shard" in r.getMessage()]

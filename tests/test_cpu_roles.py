@@ -1,6 +1,6 @@
-"""ray_ingest/cpu_roles.py: role classification, the per-run arithmetic on fake /proc snapshots
-(ended children, reaping and non-reaping parents, reused pids), a fake /proc tree, a real child
-process, and (``ray``) a real actor's CPU under its role."""
+"""ray_ingest/tools/cpu_roles.py: role classification, the per-run arithmetic on fake /proc
+snapshots (ended children, reaping and non-reaping parents, reused pids), a fake /proc tree, a
+real child process, and (``ray``) a real actor's CPU under its role."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ray_ingest import cpu_roles as cr
-from ray_ingest.cpu_roles import ProcStat
+from ray_ingest.tools import cpu_roles as cr
+from ray_ingest.tools.cpu_roles import ProcStat
 
 
 def P(pid, ppid, cpu, child=0.0, cmd="", comm="python", start=None):  # noqa: N802

@@ -19,13 +19,22 @@ import attrs
 import numpy as np
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.errors import ConfigError, IngestError
-from ray_ingest.reader import read_shard
-from ray_ingest.summary import iter_records
-from ray_ingest.synth import make_caption, make_sample, sample_spec, synth_dataset
-from ray_ingest.tario import TarIndex, index_url, iter_members
-from ray_ingest.writer import aspect_bucket
+from ray_ingest.tools.summary import iter_records
+from ray_ingest.tools.synth import (
+    make_caption,
+    make_sample,
+    sample_spec,
+    synth_dataset,
+)
+from ray_ingest.twintar.layout import aspect_bucket
+from ray_ingest.twintar.reader import read_shard
+from ray_ingest.twintar.tario import (
+    TarIndex,
+    index_url,
+    iter_members,
+)
 from tests.fixtures_gcs import upload_tree
 
 pytestmark = pytest.mark.ray
@@ -104,32 +113,32 @@ def test_rows_are_the_loader_rows_in_catalog_order(ray_local, buckets):
 
 def test_read_tasks_slice_or_group_shards(buckets):
     """override_num_blocks: slices of shards above the shard count, runs of shards below."""
-    import attrs
-
-    from ray_ingest.dataset import TwinTarsDatasource, _read_units, _schema, _Unit
-    from ray_ingest.reader import ReadOptions
+    from ray_ingest.datasets.read import _schema, _tasks, _unit
+    from ray_ingest.execution.raydata import TwinTarDatasource, _read_units
+    from ray_ingest.twintar.reader import ReadOptions
 
     shards = load_catalog(str(buckets)).shards
-    units = [_Unit(s, i, "", count=s.count) for i, s in enumerate(shards)]
+    units = [_unit(s, i, "", s.count) for i, s in enumerate(shards)]
 
     def covered(tasks) -> list[tuple[int, int]]:
-        return [(u.sid, i) for t in tasks for u in t for i in range(u.start, u.start + u.count)]
+        return [(u.item.sid, i) for t in tasks for u in t
+                for i in range(u.item.start, u.item.start + u.item.count)]
 
     everything = [(i, j) for i, s in enumerate(shards) for j in range(s.count)]
     for n, expect in ((None, len(shards)), (len(shards), len(shards)), (3, 3)):
-        tasks = TwinTarsDatasource(units, ["image"], ReadOptions(), num_blocks=n)._tasks()
+        tasks = _tasks(units, n)
         assert len(tasks) == expect and covered(tasks) == everything
-    tasks = TwinTarsDatasource(units, ["image"], ReadOptions(), num_blocks=SAMPLES)._tasks()
+    tasks = _tasks(units, SAMPLES)
     assert len(tasks) == SAMPLES and covered(tasks) == everything
-    source = TwinTarsDatasource(units, ["image"], ReadOptions(), num_blocks=3)
+    source = TwinTarDatasource(_tasks(units, 3), ReadOptions(), schema=_schema(["image"], False))
     metas = [t.metadata for t in source.get_read_tasks(3)]
     assert sum(m.num_rows for m in metas) == SAMPLES
     # a wdinfo without per-shard counts: whole shards, read to the end
-    unknown = [attrs.evolve(u, count=None) for u in units]
-    tasks = TwinTarsDatasource(unknown, ["image"], ReadOptions(), num_blocks=SAMPLES)._tasks()
-    assert [[u.sid for u in t] for t in tasks] == [[i] for i in range(len(shards))]
+    unknown = [_unit(s, i, "", None) for i, s in enumerate(shards)]
+    tasks = _tasks(unknown, SAMPLES)
+    assert [[u.item.sid for u in t] for t in tasks] == [[i] for i in range(len(shards))]
     schema = _schema(["image"], with_sid=False)
-    rows = [r for t in tasks for b in _read_units(t, ReadOptions(), 3, schema)
+    rows = [r for t in tasks for b in _read_units(t, ReadOptions(), 3, "raise", schema, {})
             for r in b.to_pylist()]
     assert [(r["__shard__"], r["__index__"]) for r in rows] == [
         (shards[i].path, j) for i, j in everything]
@@ -296,7 +305,7 @@ def test_killed_writer_leaves_no_tar_under_a_final_name(tmp_path):
     leaf = tmp_path / "ds"
     code = f"""
 import os, signal
-from ray_ingest.writer import write_shard
+from ray_ingest.twintar.writer import write_shard
 
 def samples():
     for i in range(6):
@@ -314,7 +323,7 @@ write_shard({str(leaf)!r}, "part_000000/000000.tar", ["image", "caption"], sampl
     assert files == ["caption/part_000000/000000.tar.partial",
                      "image/part_000000/000000.tar.partial"]
     assert (leaf / "image/part_000000/000000.tar.partial").stat().st_size >= 3 * 5000
-    from ray_ingest.writer import write_shard
+    from ray_ingest.twintar.writer import write_shard
 
     write_shard(str(leaf), "part_000000/000000.tar", ["image", "caption"],
                 [(f"k{i}", {"image": ("jpg", b"x" * 5000), "caption": ("txt", b"c")})

@@ -17,7 +17,7 @@ import yaml
 
 from ray_ingest import config
 from ray_ingest.cli.main import SUBCOMMANDS
-from ray_ingest.train import build_parser
+from ray_ingest.train.job import build_parser
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 REQUIRED_DOCS = ("architecture.md", "configuration.md", "cli.md", "operations.md",

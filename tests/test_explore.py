@@ -15,13 +15,20 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ray_ingest import explore
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.errors import IngestError
-from ray_ingest.reader import read_shard
-from ray_ingest.synth import make_caption, make_sample, sample_spec, synth_dataset
-from ray_ingest.twin import KEY
-from ray_ingest.writer import aspect_bucket, write_shard, write_wdinfo
+from ray_ingest.tools import explore
+from ray_ingest.tools.synth import (
+    make_caption,
+    make_sample,
+    sample_spec,
+    synth_dataset,
+)
+from ray_ingest.twintar.dataset import write_wdinfo
+from ray_ingest.twintar.layout import aspect_bucket
+from ray_ingest.twintar.reader import read_shard
+from ray_ingest.twintar.twin import KEY
+from ray_ingest.twintar.writer import write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "docs" / "explore.ipynb"
@@ -219,10 +226,10 @@ def test_open_dataset_rejects_unknown_modality(data):
 
 
 def test_open_dataset_modalities_and_their_old_name_keys(data, monkeypatch):
-    from ray_ingest import catalog as catalog_mod
+    from ray_ingest.catalog import shard as shard_mod
 
     assert explore.open_dataset(data, ["caption", "image"]).modalities == ("caption", "image")
-    monkeypatch.setattr(catalog_mod, "_WARNED", set())
+    monkeypatch.setattr(shard_mod, "_WARNED", set())
     with pytest.warns(DeprecationWarning, match=r"open_dataset\(keys=...\) is deprecated"):
         ds = explore.open_dataset(data, keys=["caption"])
     assert ds.modalities == ("caption",) and ds.image_key is None

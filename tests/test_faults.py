@@ -20,14 +20,14 @@ import time
 
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
-from ray_ingest.decode import Decoder
+from ray_ingest.decode.decoder import Decoder
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.state import slot_stream
 from ray_ingest.plan.topology import Topology
-from ray_ingest.reader import read_shard
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.twintar.reader import read_shard
 
 pytestmark = pytest.mark.ray
 

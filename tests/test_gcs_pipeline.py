@@ -2,7 +2,7 @@
 the fault-injecting proxy, compared sample by sample with the same data read locally.
 
 - ``read_shard`` in this process, per fault kind (reset, 503, stall, truncate): gcsfs's own
-  retries are off here (``fault_proxy``), so every fault reaches ``ray_ingest.remote``; rows
+  retries are off here (``fault_proxy``), so every fault reaches ``ray_ingest.twintar.remote``; rows
   must be byte-identical to the local read, with nothing lost or duplicated.
 - the catalog: wdinfo reads retry; ``load_catalog(..., cache=True)`` does not re-read.
 - ``IngestLoader`` on the session Ray reading ``gs://`` through the proxy: the Ray workers are
@@ -21,16 +21,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_ingest import catalog as catalog_mod
-from ray_ingest.catalog import clear_catalog_cache, load_catalog
+from ray_ingest.catalog import load as load_mod
+from ray_ingest.catalog.load import (
+    clear_catalog_cache,
+    load_catalog,
+)
 from ray_ingest.config import config_from_dict
-from ray_ingest.decode import Decoder
+from ray_ingest.decode.decoder import Decoder
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.state import slot_stream
 from ray_ingest.plan.topology import Topology
-from ray_ingest.reader import ReadOptions, read_shard
-from ray_ingest.remote import RetryPolicy, remote_stats
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.twintar.reader import (
+    ReadOptions,
+    read_shard,
+)
+from ray_ingest.twintar.remote import (
+    RetryPolicy,
+    remote_stats,
+)
 from tests import faultproxy
 from tests.fixtures_gcs import upload_tree
 
@@ -140,13 +149,13 @@ def test_catalog_cache_reads_once_per_content(tmp_path, datasets, fault_proxy, m
 
     monkeypatch.setattr(faultproxy.FaultProxy, "_draw", logging_draw)
     reads = collections.Counter()
-    real = catalog_mod.read_wdinfo
+    real = load_mod.read_wdinfo
 
     def counting(url, *args, **kwargs):
         reads[url] += 1
         return real(url, *args, **kwargs)
 
-    monkeypatch.setattr(catalog_mod, "read_wdinfo", counting)
+    monkeypatch.setattr(load_mod, "read_wdinfo", counting)
     clear_catalog_cache()
     # local folder: parsed once, the same object handed out again
     first = load_catalog([str(local)], cache=True)

@@ -1,5 +1,5 @@
-"""Group share (ray_ingest/group.py): one rank of a parallel group reads and decodes, the group
-receives its batches, bit for bit what every rank would have decoded itself.
+"""Group share (ray_ingest/loader/group.py): one rank of a parallel group reads and decodes,
+the group receives its batches, bit for bit what every rank would have decoded itself.
 
 The per-rank goldens (tests/goldens/stream.json, recorded before the group share existed) are
 the reference: planning works on data-parallel slots, so the ranks of slot ``s`` of a grouped
@@ -18,14 +18,18 @@ import numpy as np
 import pytest
 import torch
 
-from ray_ingest.catalog import load_catalog
-from ray_ingest.collate import Batch
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.errors import ConfigError, GroupError
-from ray_ingest.group import GroupShare, decode_batch, encode_batch
-from ray_ingest.local import LocalExecution
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.loader.collate import Batch
+from ray_ingest.loader.group import (
+    GroupShare,
+    decode_batch,
+    encode_batch,
+)
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
-from ray_ingest.stream import IngestLoader
 from tests.group_ranks import ThreadChannel, run_ranks
 from tests.test_stream_goldens import (  # noqa: F401 - fixtures
     GOLDEN,

@@ -1,4 +1,5 @@
-"""Head start (ray_ingest/headstart.py): the same rows in the same order, whoever decodes them.
+"""Head start (ray_ingest/execution/headstart.py): the same rows in the same order, whoever
+decodes them.
 
 No Ray: the "remote" is the in-process execution of the items after the head, behind a start-up
 delay, as a Ray Data execution is behind its decode actors' start-up.
@@ -12,16 +13,21 @@ import time
 import numpy as np
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.columns import ACTOR, SEQ
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import IngestError
-from ray_ingest.headstart import HEAD_ACTOR, HEAD_THREAD, HeadStart, split_head
-from ray_ingest.local import LocalExecution
+from ray_ingest.execution.headstart import (
+    HEAD_ACTOR,
+    HEAD_THREAD,
+    HeadStart,
+    split_head,
+)
+from ray_ingest.execution.local import LocalExecution
 from ray_ingest.plan.epoch import plan_window
 from ray_ingest.plan.state import initial_state
 from ray_ingest.plan.topology import Topology
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.train]
 

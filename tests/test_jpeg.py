@@ -1,4 +1,4 @@
-"""ray_ingest.jpeg decodes JPEGs without Image.open, and must give Image.open's bytes."""
+"""ray_ingest.decode.jpeg decodes JPEGs without Image.open, and must give Image.open's bytes."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ray_ingest import jpeg
-from ray_ingest.augment import Geometry, draft_for
 from ray_ingest.config import DecodeConfig
-from ray_ingest.decode import Decoder
-from ray_ingest.twin import ext_column
+from ray_ingest.decode import jpeg
+from ray_ingest.decode.augment import (
+    Geometry,
+    draft_for,
+)
+from ray_ingest.decode.decoder import Decoder
+from ray_ingest.twintar.twin import ext_column
 
 
 def _image(w: int, h: int, seed: int) -> Image.Image:

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from ray_ingest import metrics, remote
-from ray_ingest.catalog import load_catalog
+from ray_ingest import metrics
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.plan.topology import Topology
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.twintar import remote
 from tests.datagen import write_tar
 from tests.test_remote import FAST, _flaky
 
@@ -95,8 +96,8 @@ def test_read_scopes_of_concurrent_threads_keep_their_own_tags():
 
 def test_pure_layers_import_without_ray():
     """Metrics hooks in remote/reader/twin/tario must not pull Ray into a process without it."""
-    code = ("import sys, ray_ingest.metrics, ray_ingest.remote, ray_ingest.reader, "
-            "ray_ingest.twin, ray_ingest.tario, ray_ingest.audit; "
+    code = ("import sys, ray_ingest.metrics, ray_ingest.twintar.remote, ray_ingest.twintar.reader, "
+            "ray_ingest.twintar.twin, ray_ingest.twintar.tario, ray_ingest.tools.audit; "
             "sys.exit('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ}).returncode == 0
 
@@ -117,7 +118,7 @@ def _oversize_first_member(tar: Path) -> None:
 
 @pytest.mark.ray
 def test_loader_and_read_metrics_reach_the_metrics_endpoint(ray_local, tmp_path):
-    from ray_ingest.stream import IngestLoader
+    from ray_ingest.loader.ingest import IngestLoader
 
     port = ray_local._private.worker.global_worker.node.metrics_export_port
     root = tmp_path / "ds"

@@ -120,8 +120,8 @@ def test_placement_by_label_and_train_node_loss(cluster, tmp_path, monkeypatch):
     """Train workers only on train nodes, decode actors and read tasks only on decode nodes (as
     they report themselves); the node of Train rank 1 is SIGKILLed mid-epoch: Ray Train restarts
     the group from the last checkpoint on the spare train node and the audit is exactly-once."""
-    from ray_ingest.synth import synth_dataset
-    from ray_ingest.train import main
+    from ray_ingest.tools.synth import synth_dataset
+    from ray_ingest.train.job import main
 
     decode_nodes(cluster, 2)
     train_ids = {i.node_id for i in cluster.alive("train")}
@@ -254,12 +254,12 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
     drained (GCS DrainNode, reason preemption) and stopped at the drain deadline, and another
     is SIGKILLed without notice: the ordered stream goes on, and the ledger audits
     exactly-once."""
-    from ray_ingest.catalog import load_catalog
+    from ray_ingest.catalog.load import load_catalog
     from ray_ingest.config import config_from_dict
+    from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.topology import Topology
-    from ray_ingest.stream import IngestLoader
-    from ray_ingest.synth import synth_dataset
-    from ray_ingest.train import _ledger_append
+    from ray_ingest.tools.synth import synth_dataset
+    from ray_ingest.train.ledger import _ledger_append
 
     (first,) = decode_nodes(cluster, 1)
     samples = 1440
@@ -395,12 +395,12 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
     """Decode nodes with 100 MB object stores and 48 MB decoded blocks (16 samples of 1024x1024
     RGB): Ray Data backpressure and plasma spilling/fallback absorb it. No node dies, no block is
     lost, every sample arrives once; peak use per node is reported against its limit."""
-    from ray_ingest.catalog import load_catalog
+    from ray_ingest.catalog.load import load_catalog
     from ray_ingest.config import config_from_dict
+    from ray_ingest.decode.sizing import in_flight_bytes
+    from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.topology import Topology
-    from ray_ingest.sizing import in_flight_bytes
-    from ray_ingest.stream import IngestLoader
-    from ray_ingest.synth import synth_dataset
+    from ray_ingest.tools.synth import synth_dataset
 
     small = decode_nodes(cluster, 2, object_store_memory=100 * MB)
     samples, block_rows, res = 80, 16, 1024
@@ -457,7 +457,7 @@ def test_autoscaler_launches_decode_node_for_labelled_demand_and_removes_it_idle
     ``gpu_train`` types: the loader's read tasks and decode actors (``decode.label_selector``)
     are pending on a head without decode nodes, a ``cpu_decode`` node is launched with its
     label, the epoch completes on it, and the idle node is removed after the idle timeout."""
-    from ray_ingest.synth import synth_dataset
+    from ray_ingest.tools.synth import synth_dataset
     from tests.multinode_autoscale import IDLE_TIMEOUT_MIN, FakeAutoscalingCluster
 
     data = str(tmp_path / "ds")

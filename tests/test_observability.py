@@ -10,8 +10,11 @@ import pytest
 
 from ray_ingest.config import config_from_dict
 from ray_ingest.plan.topology import Topology
-from ray_ingest.synth import synth_dataset
-from ray_ingest.train import format_step_log, parse_step_log
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.train.job import (
+    format_step_log,
+    parse_step_log,
+)
 
 STAGES = ("data_wait", "assemble", "transfer", "compute")
 #: Fake compute per batch: large enough that compute is a visible share of the loop.
@@ -20,7 +23,7 @@ STEP_S = 0.15
 
 @pytest.mark.ray
 def test_stage_fractions_add_up_to_the_measured_loop_time(ray_local, tmp_path):
-    from ray_ingest.stream import IngestLoader
+    from ray_ingest.loader.ingest import IngestLoader
 
     root = tmp_path / "ds"
     synth_dataset(str(root), samples=48, shard_size=12, seed=0, min_side=24, max_side=48)
@@ -87,7 +90,7 @@ def test_train_loop_logs_with_the_formatter():
     """The job prints its periodic line through format_step_log (no second format to drift)."""
     import inspect
 
-    from ray_ingest import train
+    from ray_ingest.train import job as train
 
     src = inspect.getsource(train.train_loop_per_worker)
     assert "format_step_log(" in src and "stage_breakdown(" in src
@@ -97,7 +100,7 @@ def test_audit_progress_bar(tmp_path, monkeypatch):
     """`ray-ingest audit --progress` draws a tqdm bar on stderr, one tick per epoch."""
     from click.testing import CliRunner
 
-    from ray_ingest.catalog import load_catalog
+    from ray_ingest.catalog.load import load_catalog
     from ray_ingest.cli.audit import command
 
     root = tmp_path / "ds"

@@ -25,7 +25,7 @@ def test_no_module_shadows_the_standard_library():
 
 
 def test_summary_module_replaces_inspect():
-    from ray_ingest import summary
+    from ray_ingest.tools import summary
 
     assert callable(summary.summarize) and callable(summary.iter_records)
     assert not (PACKAGE / "inspect.py").exists()

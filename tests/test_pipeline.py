@@ -4,8 +4,8 @@ elastic decode pool.
 A test whose subject is the Ray edge (the datasource, the decode pool, one execution over
 epochs, unordered delivery, pauses) runs through Ray. A test whose subject is what is planned
 (group ranks, aspect buckets, the random crop's seeds) runs the same read and decode code in
-this process (``local=True``: ray_ingest/local.py, bit-identical to the Ray edge by the stream
-goldens) where a Ray run would test the same rows again at ~5 s an execution; where the Ray
+this process (``local=True``: ray_ingest/execution/local.py, bit-identical to the Ray edge by the
+stream goldens) where a Ray run would test the same rows again at ~5 s an execution; where the Ray
 edge could differ (a per-process seed), one Ray run is compared with the in-process one.
 """
 
@@ -17,17 +17,23 @@ import time
 import numpy as np
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import ConfigError
-from ray_ingest.local import LocalExecution
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.loader.ingest import (
+    IngestLoader,
+    plan_params,
+)
 from ray_ingest.plan.epoch import read_items
 from ray_ingest.plan.state import initial_state, slot_stream
 from ray_ingest.plan.topology import Topology
-from ray_ingest.reader import ReadOptions, read_shard
-from ray_ingest.stream import IngestLoader, plan_params
-from ray_ingest.summary import iter_records
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.summary import iter_records
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.twintar.reader import (
+    ReadOptions,
+    read_shard,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -73,7 +79,7 @@ def test_decode_compute_is_auto_actors_tasks_or_threads(dataset):
 def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
     import ray
 
-    from ray_ingest.datasource import TwinTarDatasource
+    from ray_ingest.execution.raydata import ReadUnit, TwinTarDatasource
 
     cfg = _cfg(dataset)
     catalog = load_catalog([dataset])
@@ -84,7 +90,8 @@ def test_datasource_rows_equal_cat_for_the_same_plan(ray_local, dataset):
     assert len(items) >= 3
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    source = TwinTarDatasource(catalog.shards, items, ReadOptions(), block_rows=5)
+    source = TwinTarDatasource([[ReadUnit(catalog.shard(it.sid), it)] for it in items],
+                               ReadOptions(), block_rows=5)
     rows = ray.data.read_datasource(source, num_cpus=0.25).take_all()
     assert [r["__seq__"] for r in rows] == list(range(sum(it.count for it in items)))
     # the same slices read directly (what `cat` prints, restricted to the plan)

@@ -20,7 +20,7 @@ from ray_ingest.plan import (
     PlanSettings,
     assign_slot,
 )
-from ray_ingest.writer import write_wdinfo
+from ray_ingest.twintar.dataset import write_wdinfo
 
 
 def test_one_definition_one_set_of_defaults():
@@ -72,7 +72,7 @@ def test_plan_cli_defaults_are_trainings(tmp_path, capsys):
 
 
 def test_stream_plan_params_is_the_config_method():
-    from ray_ingest.stream import plan_params
+    from ray_ingest.loader.ingest import plan_params
 
     cfg = config_from_dict({"data": {"paths": ["x"]}, "loader": {"seed": 3, "repeat": True}})
     assert plan_params(cfg, 9) == cfg.loader.plan_params(9)

@@ -10,7 +10,8 @@ import attrs
 import pytest
 
 from ray_ingest.errors import ConfigError
-from ray_ingest.plan import Topology, detect_topology, pid_env_start
+from ray_ingest.plan import Topology
+from ray_ingest.train.detect import detect_topology, pid_env_start
 
 
 def test_topology_derived_fields():
@@ -108,8 +109,8 @@ def test_pid_env_start():
 
 def test_planning_imports_neither_ray_nor_torch():
     code = (
-        "import sys, ray_ingest.plan, ray_ingest.cli.plan\n"
-        "ray_ingest.plan.detect_topology(environ={})\n"
+        "import sys, ray_ingest.plan, ray_ingest.cli.plan, ray_ingest.train.detect\n"
+        "ray_ingest.train.detect.detect_topology(environ={})\n"
         "bad = sorted(m for m in ('ray', 'torch') if m in sys.modules)\n"
         "sys.exit(str(bad) if bad else 0)\n"
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_ingest import quiet
+from ray_ingest.train import quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,11 +9,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ray_ingest.catalog import TarSample
+from ray_ingest.catalog.shard import TarSample
 from ray_ingest.errors import IngestError, TarFormatError
-from ray_ingest.reader import ReadOptions, load_index_keys, read_shard
-from ray_ingest.tario import index_url
-from ray_ingest.twin import INDEX, KEY, AlignStats
+from ray_ingest.twintar.reader import (
+    ReadOptions,
+    load_index_keys,
+    read_shard,
+)
+from ray_ingest.twintar.tario import index_url
+from ray_ingest.twintar.twin import (
+    INDEX,
+    KEY,
+    AlignStats,
+)
 from tests.datagen import write_tar, write_twin
 
 SHARD = "part_000000/000000.tar"
@@ -154,7 +162,7 @@ def test_truncated_member_is_a_tar_format_error(tmp_path):
 def test_memory_filesystem(tmp_path):
     import fsspec
 
-    from ray_ingest.writer import write_shard
+    from ray_ingest.twintar.writer import write_shard
 
     leaf = "memory://reader-test/ds"
     write_shard(leaf, SHARD, ["image", "caption"],

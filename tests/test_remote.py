@@ -22,9 +22,9 @@ from fsspec.spec import AbstractFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_ingest import remote
 from ray_ingest.errors import ConfigError, IngestError
-from ray_ingest.remote import (
+from ray_ingest.twintar import remote
+from ray_ingest.twintar.remote import (
     ObjectAccessError,
     ObjectNotFoundError,
     RemoteReadError,

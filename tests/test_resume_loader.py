@@ -3,12 +3,12 @@
 One checkpoint round-trip helper, :func:`run_save_load`, drives every case: run, stop after
 ``stop_after`` batches, save the per-rank state files, merge them back, resume, and compare
 what was delivered before + after with an uninterrupted run. The uninterrupted reference is
-read and decoded in this process by the same code as the Ray edge (``ray_ingest/local.py``,
-bit-identical to it by the stream goldens). The runs that stop and resume go through Ray where
-the Ray edge is the subject (an execution closed mid-epoch and a new one started from the saved
-state, with and without key indexes; unordered delivery); where the subject is what is
-re-planned (topology and batch-size changes, several ranks, pid start, buckets) they run
-in-process too (``all_local``), as a Ray run would test the same rows again at ~5 s each.
+read and decoded in this process by the same code as the Ray edge
+(``ray_ingest/execution/local.py``, bit-identical to it by the stream goldens). The runs that stop
+and resume go through Ray where the Ray edge is the subject (an execution closed mid-epoch and a new
+one started from the saved state, with and without key indexes; unordered delivery); where the
+subject is what is re-planned (topology and batch-size changes, several ranks, pid start, buckets)
+they run in-process too (``all_local``), as a Ray run would test the same rows again at ~5 s each.
 """
 
 from __future__ import annotations
@@ -21,15 +21,19 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import ConfigError, StateError
-from ray_ingest.local import LocalExecution
-from ray_ingest.plan import PlanParams, iter_samples, pid_env_start, plan_slot
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.loader.ingest import (
+    IngestLoader,
+    state_file,
+)
+from ray_ingest.plan import PlanParams, iter_samples, plan_slot
 from ray_ingest.plan.state import ReadState
 from ray_ingest.plan.topology import Topology
-from ray_ingest.stream import IngestLoader, state_file
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.train.detect import pid_env_start
 
 SAMPLES, SHARD = 150, 20  # 8 shards, the last one short: 7 x 20 + 10
 BATCH = 8

@@ -24,12 +24,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ray_ingest.audit import audit as audit_epochs
-from ray_ingest.audit import read_ledgers
-from ray_ingest.catalog import Catalog, TarSample
+from ray_ingest.catalog.catalog import Catalog
+from ray_ingest.catalog.shard import TarSample
 from ray_ingest.cli.main import cli
 from ray_ingest.plan.state import ReadState
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.audit import audit as audit_epochs
+from ray_ingest.tools.audit import read_ledgers
+from ray_ingest.tools.synth import synth_dataset
 
 SAMPLES, SHARD, BATCH = 80, 20, 8  # 4 shards; one slot reads 10 batches per epoch
 PER_EPOCH = SAMPLES // BATCH
@@ -58,7 +59,7 @@ def job(tmp_path_factory):
 
 
 def train(job, *args: str) -> None:
-    from ray_ingest.train import main
+    from ray_ingest.train.job import main
 
     argv = ["--config", job["config"], "--data", job["data"], "--storage-path", job["storage"],
             "--name", job["name"], "--audit-dir", job["audit"], *args]

@@ -17,11 +17,18 @@ import numpy as np
 import pytest
 
 from ray_ingest.config import DecodeConfig, config_from_dict
-from ray_ingest.decode import UNSAFE_EXTS, Decoder, load_array
+from ray_ingest.decode.decoder import (
+    UNSAFE_EXTS,
+    Decoder,
+    load_array,
+)
 from ray_ingest.errors import IngestError, UnsafeFormatError
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.topology import Topology
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import make_sample, synth_dataset
+from ray_ingest.tools.synth import (
+    make_sample,
+    synth_dataset,
+)
 from tests.datagen import write_tar
 
 

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.errors import ConfigError
-from ray_ingest.reader import read_shard
-from ray_ingest.shard import (
+from ray_ingest.tools.shard import (
     AMBIGUOUS,
     BEYOND_LIMIT,
     COLLISION,
@@ -25,8 +24,9 @@ from ray_ingest.shard import (
     _groups,
     shard_folders,
 )
-from ray_ingest.twin import KEY
-from ray_ingest.writer import aspect_bucket
+from ray_ingest.twintar.layout import aspect_bucket
+from ray_ingest.twintar.reader import read_shard
+from ray_ingest.twintar.twin import KEY
 from tests.datagen import RAW_SIZES as SIZES
 from tests.datagen import write_raw_folders as make_raw
 

@@ -1,11 +1,11 @@
-"""Object-store sizing arithmetic (ray_ingest.sizing): no Ray."""
+"""Object-store sizing arithmetic (ray_ingest.decode.sizing): no Ray."""
 
 from __future__ import annotations
 
 import pytest
 
 from ray_ingest.config import config_from_dict
-from ray_ingest.sizing import (
+from ray_ingest.decode.sizing import (
     TASKS_IN_FLIGHT_PER_ACTOR,
     block_rows,
     decoded_sample_bytes,

@@ -12,9 +12,14 @@ import sys
 import numpy as np
 import pytest
 
-from ray_ingest.batcher import BucketBatcher
 from ray_ingest.columns import BUCKET, EPOCH, ERROR, INDEX, KEY, PAD, SEQ, SID
 from ray_ingest.errors import SkipBudgetExceeded
+from ray_ingest.loader.batcher import BucketBatcher
+from ray_ingest.loader.progress import Progress
+from ray_ingest.loader.skips import (
+    SkipFilter,
+    skip_kind,
+)
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.epoch import (
     ReadItem,
@@ -32,8 +37,6 @@ from ray_ingest.plan.state import (
     with_topology,
 )
 from ray_ingest.plan.topology import Topology
-from ray_ingest.progress import Progress
-from ray_ingest.skips import SkipFilter, skip_kind
 from tests.roundtrip import run_save_load
 
 COUNTS = [20, 20, 17, 20, 9, 20, 20, 13]
@@ -43,13 +46,15 @@ PARAMS = PlanParams(seed=3, equal_work=True, repeat=False)
 def test_stage_modules_import_neither_ray_nor_torch():
     import subprocess
 
-    code = ("import sys; import ray_ingest.plan.epoch, ray_ingest.skips, ray_ingest.batcher, "
-            "ray_ingest.progress, ray_ingest.columns, ray_ingest.account, ray_ingest.clock, "
-            "ray_ingest.window, ray_ingest.threads, ray_ingest.executions, ray_ingest.source, "
-            "ray_ingest.local, ray_ingest.headstart, ray_ingest.decode, ray_ingest.config; "
+    code = ("import sys; import ray_ingest.plan.epoch, ray_ingest.loader.skips, "
+            "ray_ingest.loader.batcher, ray_ingest.loader.progress, ray_ingest.columns, "
+            "ray_ingest.loader.account, ray_ingest.loader.clock, ray_ingest.loader.window, "
+            "ray_ingest.execution.threads, ray_ingest.execution.opener, "
+            "ray_ingest.execution.read, ray_ingest.execution.local, "
+            "ray_ingest.execution.headstart, ray_ingest.decode.decoder, ray_ingest.config; "
             # nor do a decoder and a read's node id where no Ray runs (a process of threads)
-            "ray_ingest.decode.Decoder(ray_ingest.config.DecodeConfig()); "
-            "assert ray_ingest.source._node_id() == 'local'; "
+            "ray_ingest.decode.decoder.Decoder(ray_ingest.config.DecodeConfig()); "
+            "assert ray_ingest.execution.read._node_id() == 'local'; "
             "bad = [m for m in ('ray', 'torch') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -329,7 +334,7 @@ def _plan(epoch, n):
 
 @pytest.mark.parametrize("exact,ordered", [(True, True), (True, False), (False, True)])
 def test_rows_of_one_execution_are_handed_out_epoch_by_epoch(exact, ordered):
-    from ray_ingest.window import EpochWindow
+    from ray_ingest.loader.window import EpochWindow
 
     blocks = [_eblock(0, [0, 1]), _eblock(0, [2]), _eblock(1, [0, 1, 2])]
     if not ordered:
@@ -355,7 +360,7 @@ class _Stalled(Exception):
 
 
 def _handoff(source, timeout):
-    from ray_ingest.window import Handoff
+    from ray_ingest.execution.handoff import Handoff
 
     return Handoff(source, timeout, lambda t: _Stalled(f"waited {t} s"))
 
@@ -439,11 +444,11 @@ def test_handoff_close_reports_a_helper_still_blocked_in_the_source():
 
 # --------------------------------------------------------------------------- accounting
 def test_block_account_takes_the_instrumentation_columns_off():
-    from ray_ingest.account import BlockAccount
-    from ray_ingest.clock import StageClock
     from ray_ingest.columns import ACTOR, BYTES, NODE, READ_NODE, T_DECODE, T_READ
-    from ray_ingest.headstart import HEAD_ACTOR
-    from ray_ingest.threads import THREAD_ACTOR
+    from ray_ingest.execution.headstart import HEAD_ACTOR
+    from ray_ingest.execution.threads import THREAD_ACTOR
+    from ray_ingest.loader.account import BlockAccount
+    from ray_ingest.loader.clock import StageClock
 
     clock, reported = StageClock(), []
     account = BlockAccount(clock, reported.append)
@@ -465,7 +470,7 @@ def test_block_account_takes_the_instrumentation_columns_off():
 def test_timed_reports_every_wait_of_the_consumer():
     import time
 
-    from ray_ingest.clock import timed
+    from ray_ingest.loader.clock import timed
 
     def slow():
         for i in range(3):
@@ -483,12 +488,15 @@ def test_timed_reports_every_wait_of_the_consumer():
 
 # --------------------------------------------------------------------------- executions
 def test_executions_resolve_auto_once_and_open_threads_without_ray(tmp_path, monkeypatch):
-    from ray_ingest import executions
-    from ray_ingest.catalog import load_catalog
+    from ray_ingest.catalog.load import load_catalog
     from ray_ingest.config import config_from_dict
-    from ray_ingest.executions import Executions
-    from ray_ingest.synth import synth_dataset
-    from ray_ingest.threads import ThreadedExecution, decode_threads
+    from ray_ingest.execution import opener as executions
+    from ray_ingest.execution.opener import Executions
+    from ray_ingest.execution.threads import (
+        ThreadedExecution,
+        decode_threads,
+    )
+    from ray_ingest.tools.synth import synth_dataset
 
     out = str(tmp_path / "ds")
     synth_dataset(out, samples=8, shard_size=4, seed=1, min_side=16, max_side=16)

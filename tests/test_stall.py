@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
 from ray_ingest.errors import StallError
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.topology import Topology
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
 
 pytestmark = pytest.mark.ray
 

@@ -5,8 +5,9 @@ execution per job (``tests/goldens/stream.json``); every case must still reprodu
 shard ids, indices, pads, buckets, skips and the sha1 of every image tensor, per batch, per rank.
 
 Every case also runs with the Ray edge replaced by the same read and decode code in this process
-(ray_ingest/local.py): the loader's other stages reproduce the goldens without a cluster;
-and on ``decode.compute: threads`` (ray_ingest/threads.py), the decode path of small nodes.
+(ray_ingest/execution/local.py): the loader's other stages reproduce the goldens without a cluster;
+and on ``decode.compute: threads`` (ray_ingest/execution/threads.py), the decode path of small
+nodes.
 
 Re-record only on purpose (a deliberate change of the delivered data), with
 ``RAY_INGEST_WRITE_GOLDENS=1 .venv/bin/python -m pytest tests/test_stream_goldens.py``.
@@ -24,18 +25,18 @@ from typing import Any
 
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
-from ray_ingest.local import LocalExecution
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.topology import Topology
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
 from tests.datagen import write_tar
 
 GOLDEN = Path(__file__).parent / "goldens" / "stream.json"
 #: "ray" (the real Ray Data execution, decode actors), "tasks" (the same, ``decode.compute:
-#: tasks``), "local" (ray_ingest/local.py) or "threads" (``decode.compute: threads``, the
-#: loader's own in-process path, ray_ingest/threads.py), set per test.
+#: tasks``), "local" (ray_ingest/execution/local.py) or "threads" (``decode.compute: threads``, the
+#: loader's own in-process path, ray_ingest/execution/threads.py), set per test.
 ENGINE = ["ray"]
 WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
 

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.errors import ConfigError
-from ray_ingest.reader import read_shard
-from ray_ingest.synth import (
+from ray_ingest.tools.synth import (
     EMBED_DIM,
     make_sample,
     parse_aspect_ratios,
     sample_spec,
     synth_dataset,
 )
-from ray_ingest.twin import KEY
-from ray_ingest.writer import aspect_bucket
+from ray_ingest.twintar.layout import aspect_bucket
+from ray_ingest.twintar.reader import read_shard
+from ray_ingest.twintar.twin import KEY
 
 MODS = ("image", "caption", "umt5")
 
@@ -113,7 +113,10 @@ def test_bad_arguments(tmp_path, kwargs, match):
 def test_memory_filesystem_round_trip():
     import fsspec
 
-    from ray_ingest.summary import iter_records, summarize
+    from ray_ingest.tools.summary import (
+        iter_records,
+        summarize,
+    )
 
     try:
         report = synth_dataset("memory://synth-test/ds", samples=7, shard_size=3,

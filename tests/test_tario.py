@@ -9,7 +9,7 @@ import tarfile
 import pytest
 
 from ray_ingest.errors import TarFormatError
-from ray_ingest.tario import (
+from ray_ingest.twintar.tario import (
     TarIndex,
     build_index,
     index_url,
@@ -17,7 +17,7 @@ from ray_ingest.tario import (
     skip_members,
     split_name,
 )
-from ray_ingest.writer import ShardWriter
+from ray_ingest.twintar.writer import ShardWriter
 from tests.datagen import tar_bytes
 
 

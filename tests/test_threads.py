@@ -1,5 +1,5 @@
-"""``decode.compute: threads`` (ray_ingest/threads.py): the Ray edge's rows, decoded on threads of
-this process, and ``auto``'s choice between threads and actors. No Ray."""
+"""``decode.compute: threads`` (ray_ingest/execution/threads.py): the Ray edge's rows, decoded on
+threads of this process, and ``auto``'s choice between threads and actors. No Ray."""
 
 from __future__ import annotations
 
@@ -11,16 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.columns import ACTOR, SEQ
 from ray_ingest.config import DecodeConfig, config_from_dict
 from ray_ingest.errors import ConfigError, IngestError, StallError
-from ray_ingest.local import LocalExecution
-from ray_ingest.plan.epoch import plan_window
-from ray_ingest.plan.state import initial_state
-from ray_ingest.plan.topology import Topology
-from ray_ingest.synth import synth_dataset
-from ray_ingest.threads import (
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.execution.threads import (
     AHEAD_PER_THREAD,
     THREAD_ACTOR,
     ThreadedExecution,
@@ -28,6 +24,10 @@ from ray_ingest.threads import (
     resolve_compute,
     usable_cores,
 )
+from ray_ingest.plan.epoch import plan_window
+from ray_ingest.plan.state import initial_state
+from ray_ingest.plan.topology import Topology
+from ray_ingest.tools.synth import synth_dataset
 from tests.datagen import write_tar
 
 
@@ -201,9 +201,9 @@ def test_a_stuck_read_raises_a_stall_error_naming_the_item(setup, monkeypatch):
 def test_column_lists_read_and_decode_as_the_arrow_blocks(setup):
     """Column lists (decoders in the reading process) = Arrow blocks (read tasks)."""
     from ray_ingest.columns import T_READ
-    from ray_ingest.decode import Decoder
-    from ray_ingest.reader import read_options
-    from ray_ingest.source import read_item
+    from ray_ingest.decode.decoder import Decoder
+    from ray_ingest.execution.read import read_item
+    from ray_ingest.twintar.reader import read_options
 
     cfg, catalog, items = setup
     opts = read_options(cfg)

@@ -12,11 +12,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ray_ingest.catalog import TarSample
+from ray_ingest.catalog.shard import TarSample
 from ray_ingest.errors import AlignmentError, ConfigError, OversizedMemberError
-from ray_ingest.reader import ReadOptions, read_shard
-from ray_ingest.tario import Member
-from ray_ingest.twin import ERROR, INDEX, KEY, SHARD, AlignStats, expand, ext_column
+from ray_ingest.twintar.reader import (
+    ReadOptions,
+    read_shard,
+)
+from ray_ingest.twintar.tario import Member
+from ray_ingest.twintar.twin import (
+    ERROR,
+    INDEX,
+    KEY,
+    SHARD,
+    AlignStats,
+    expand,
+    ext_column,
+)
 from tests.datagen import member_name, parse_payload, write_tar, write_twin
 
 SHARD_PATH = "part_000000/000000.tar"
@@ -416,7 +427,10 @@ def test_rows_carry_provenance(tmp_path_factory):
 def test_read_task_records_a_key_beyond_read_ahead_as_a_read_skip(tmp_path_factory):
     """Under on_error=skip the read task marks just that sample (``__error__``), like every
     read skip the loader records in the read state; the other samples are read."""
-    from ray_ingest.source import ReadItem, read_item
+    from ray_ingest.execution.read import (
+        ReadItem,
+        read_item,
+    )
 
     case = {"image": list("abcdefgh"), "caption": ["a", *"cdefgh"]}
     shard = _write(tmp_path_factory, case)

@@ -9,7 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from ray_ingest.wdinfo_scan import Scanned, scan_wdinfo
+from ray_ingest.catalog.scan import (
+    Scanned,
+    scan_wdinfo,
+)
 
 
 def _as_json(scanned: Scanned) -> tuple[dict, list[str], list[int] | None]:

@@ -8,9 +8,14 @@ import attrs
 import click
 from tqdm import tqdm
 
-from ray_ingest.audit import VIOLATION, audit, keys_at, read_ledgers
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.cli._options import modalities_arg, modalities_option
+from ray_ingest.tools.audit import (
+    VIOLATION,
+    audit,
+    keys_at,
+    read_ledgers,
+)
 
 
 @click.command("audit")

@@ -30,7 +30,7 @@ import click
               help="ours: a config override, e.g. loader.fused_read=true (repeatable)")
 def command(overrides: tuple[str, ...], **opts) -> None:
     """Throughput of ray_ingest vs baselines, same data, same sitting (prints ratios)."""
-    from ray_ingest.benchmark import main
+    from ray_ingest.tools.benchmark import main
 
     argv: list[str] = []
     for name, value in opts.items():

@@ -1,4 +1,4 @@
-"""``ray-ingest cat``: samples as JSON lines (:func:`ray_ingest.summary.iter_records`)."""
+"""``ray-ingest cat``: samples as JSON lines (:func:`ray_ingest.tools.summary.iter_records`)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import json
 
 import click
 
-from ray_ingest.catalog import ROOT_MODES
+from ray_ingest.catalog.shard import ROOT_MODES
 from ray_ingest.cli._options import modalities_arg, modalities_option
 from ray_ingest.errors import IngestError
-from ray_ingest.summary import iter_records
-from ray_ingest.twin import ALIGN_MODES, AlignStats
+from ray_ingest.tools.summary import iter_records
+from ray_ingest.twintar.twin import (
+    ALIGN_MODES,
+    AlignStats,
+)
 
 
 def _csv(text: str | None) -> list[str] | None:

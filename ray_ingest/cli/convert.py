@@ -1,5 +1,5 @@
 """``ray-ingest convert``: rewrite one modality's tars, pickled arrays -> ``.npy``
-(:func:`ray_ingest.convert.convert_pickles`)."""
+(:func:`ray_ingest.tools.convert.convert_pickles`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import click
 
-from ray_ingest.convert import convert_pickles
 from ray_ingest.errors import IngestError
+from ray_ingest.tools.convert import convert_pickles
 
 
 @click.command("convert")
@@ -30,7 +30,7 @@ def command(root: str, modality: str, pickle_to_npy: bool, out: str | None, use_
         raise IngestError("--pickle-to-npy: no conversion chosen (it is the only one so far)")
     executor = None
     if use_ray:
-        from ray_ingest.tasks import RayExecutor
+        from ray_ingest.tools.tasks import RayExecutor
 
         executor = RayExecutor()
     report = convert_pickles(root, modality, out=out, executor=executor,

@@ -18,11 +18,19 @@ import click
 def command(out: str, samples: int, shard_size: int, config_path: str, max_steps: int | None,
             num_workers: int) -> None:
     """Run the end-to-end demo on an embedded local Ray (CPU)."""
-    from ray_ingest.audit import VIOLATION, audit, read_ledgers, summary_line
-    from ray_ingest.catalog import load_catalog
-    from ray_ingest.summary import format_summary, summarize
-    from ray_ingest.synth import synth_dataset
-    from ray_ingest.train import main as train_main
+    from ray_ingest.catalog.load import load_catalog
+    from ray_ingest.tools.audit import (
+        VIOLATION,
+        audit,
+        read_ledgers,
+        summary_line,
+    )
+    from ray_ingest.tools.summary import (
+        format_summary,
+        summarize,
+    )
+    from ray_ingest.tools.synth import synth_dataset
+    from ray_ingest.train.job import main as train_main
 
     if not os.path.exists(os.path.join(out, "wdinfo.json")):
         click.echo(f"[demo] synthesizing {samples} samples into {out}")

@@ -1,5 +1,5 @@
 """``ray-ingest index``: key indexes and per-shard counts
-(:func:`ray_ingest.keyindex.index_dataset`)."""
+(:func:`ray_ingest.tools.index.index_dataset`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import click
 
-from ray_ingest.catalog import ROOT_MODES
-from ray_ingest.keyindex import index_dataset
+from ray_ingest.catalog.shard import ROOT_MODES
+from ray_ingest.tools.index import index_dataset
 
 
 @click.command("index")

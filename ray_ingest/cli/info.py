@@ -1,4 +1,4 @@
-"""``ray-ingest info``: summary of datasets (:func:`ray_ingest.summary.summarize`)."""
+"""``ray-ingest info``: summary of datasets (:func:`ray_ingest.tools.summary.summarize`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import json
 
 import click
 
-from ray_ingest.catalog import ROOT_MODES
+from ray_ingest.catalog.shard import ROOT_MODES
 from ray_ingest.cli._options import modalities_arg, modalities_option
 from ray_ingest.errors import IngestError
-from ray_ingest.summary import format_summary, summarize
+from ray_ingest.tools.summary import (
+    format_summary,
+    summarize,
+)
 
 
 @click.command("info")

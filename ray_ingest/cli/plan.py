@@ -12,7 +12,8 @@ import json
 
 import click
 
-from ray_ingest.catalog import ROOT_MODES, load_catalog
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.catalog.shard import ROOT_MODES
 from ray_ingest.cli._options import modalities_arg, modalities_option
 from ray_ingest.errors import ConfigError
 from ray_ingest.plan import (

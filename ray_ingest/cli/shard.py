@@ -1,5 +1,5 @@
 """``ray-ingest shard``: raw modality folders -> twin tars + wdinfo.json
-(:mod:`ray_ingest.shard`)."""
+(:mod:`ray_ingest.tools.shard`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import click
 
-from ray_ingest.shard import shard_folders
+from ray_ingest.tools.shard import shard_folders
 
 
 @click.command("shard")
@@ -46,7 +46,7 @@ def command(input_dir: str, output_dir: str, max_shard_size_mb: float, shard_siz
     """Shard INPUT_DIR (one subfolder per modality, files keyed by stem) into OUTPUT_DIR."""
     executor = None
     if use_ray:
-        from ray_ingest.tasks import RayExecutor
+        from ray_ingest.tools.tasks import RayExecutor
 
         executor = RayExecutor()
     report = shard_folders(

@@ -1,4 +1,4 @@
-"""``ray-ingest synth``: write a synthetic twin-tar dataset (see :mod:`ray_ingest.synth`)."""
+"""``ray-ingest synth``: write a synthetic twin-tar dataset (see :mod:`ray_ingest.tools.synth`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import json
 
 import click
 
-from ray_ingest.synth import DEFAULT_MODALITIES, parse_aspect_ratios, synth_dataset
-from ray_ingest.writer import ASPECT_RATIOS
+from ray_ingest.tools.synth import (
+    DEFAULT_MODALITIES,
+    parse_aspect_ratios,
+    synth_dataset,
+)
+from ray_ingest.twintar.layout import ASPECT_RATIOS
 
 
 def _csv(text: str) -> list[str]:

@@ -21,7 +21,6 @@ from ray_ingest.plan.assign import (
     splitmix64,
     worker_seed,
 )
-from ray_ingest.plan.detect import detect_topology, pid_env_start, ray_train_rank
 from ray_ingest.plan.settings import DEFAULT_SETTINGS, SETTING_NAMES, PlanSettings
 from ray_ingest.plan.slices import (
     ShardSlice,
@@ -52,16 +51,13 @@ __all__ = [
     "balance",
     "base_order",
     "check_int",
-    "detect_topology",
     "epoch_key",
     "epoch_order",
     "extended_length",
     "interleave",
     "iter_samples",
-    "pid_env_start",
     "plan_epoch",
     "plan_slot",
-    "ray_train_rank",
     "shard_paths",
     "skip_count",
     "slot_totals",

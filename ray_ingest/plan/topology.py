@@ -1,7 +1,7 @@
 """Topology: the value object that says which data-parallel slot and loader worker we are.
 
 Built from plain ints and validated at construction. Detecting it from Ray Train or the
-environment lives in :mod:`ray_ingest.plan.detect`; planning never reads the environment.
+environment lives in :mod:`ray_ingest.train.detect`; planning never reads the environment.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""Object-store sizing: decoded bytes per sample and per block, and a rank's bytes in flight.
+
+Pure arithmetic over the config (no Ray): the loader uses :func:`block_rows` to cut blocks,
+docs/operations.md and ``tests/test_multinode.py`` use :func:`in_flight_bytes`.
+
+Where the decoded blocks of one rank sit at once (Ray Data 2.60's streaming executor):
+
+* on the decode nodes: each decode actor runs up to ``T`` tasks (``max_tasks_in_flight_per_actor``,
+  2 by default: ``max_concurrency`` 1 × factor 2) and a finished task's output block stays in the
+  plasma store of the actor's node until the consumer pulls it: ``A × T × block`` for ``A``
+  actors, plus the operator's output queue (in ordered mode also the blocks waiting for an
+  earlier one), which Ray Data bounds only by its object-store budget;
+* on the consumer's node (the Train worker): ``prefetch_batches`` blocks fetched ahead, plus
+  the one being batched: ``(P + 1) × block``.
+
+Ray Data's budget is ``0.5 ×`` the object store of the *whole cluster*, per executor, and every
+rank runs its own executor: it neither sees that one node's store is small nor that other ranks
+share the cluster. What exceeds a node's store is spilled to disk (decode side) or allocated in
+filesystem-backed fallback memory (consumer side): slower, never lost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray_ingest.config import Config, DecodeConfig
+from ray_ingest.decode.augment import (
+    bucket_shape,
+    parse_bucket,
+)
+
+#: Ray Data 2.60: max_concurrency (1) ×
+#: DEFAULT_ACTOR_MAX_TASKS_IN_FLIGHT_TO_MAX_CONCURRENCY_FACTOR.
+TASKS_IN_FLIGHT_PER_ACTOR = 2
+
+
+def decoded_sample_bytes(cfg: DecodeConfig) -> int:
+    """Bytes of one decoded image (uint8 RGB) at the largest configured output shape."""
+    shapes = [(cfg.resolution, cfg.resolution)]
+    shapes += [bucket_shape(parse_bucket(b), cfg.resolution) for b in cfg.buckets]
+    return max(h * w * 3 for h, w in shapes) if cfg.image_key is not None else 0
+
+
+def block_rows(cfg: Config) -> int:
+    """Rows per block: ``loader.block_rows``, lowered so one decoded block stays within
+    ``loader.max_block_bytes`` (at least one row)."""
+    per_sample = decoded_sample_bytes(cfg.decode)
+    if per_sample <= 0:
+        return cfg.loader.block_rows
+    return max(1, min(cfg.loader.block_rows, cfg.loader.max_block_bytes // per_sample))
+
+
+def in_flight_bytes(cfg: Config, actors: int | None = None) -> dict[str, Any]:
+    """Decoded bytes one rank keeps in object stores at once (lower bound, see module doc).
+
+    Args:
+        cfg: the run configuration.
+        actors: decode actors of this rank (default ``decode.pool_max``).
+
+    Returns:
+        ``block_rows``, ``sample_bytes``, ``block_bytes``, ``decode_side`` (A × T blocks,
+        spread over the decode nodes), ``consumer_side`` ((P + 1) blocks on the trainer's
+        node) and ``total``.
+    """
+    rows = block_rows(cfg)
+    sample = decoded_sample_bytes(cfg.decode)
+    block = rows * sample
+    a = cfg.decode.pool_max if actors is None else actors
+    decode_side = a * TASKS_IN_FLIGHT_PER_ACTOR * block
+    consumer_side = (cfg.loader.prefetch_batches + 1) * block
+    return {"block_rows": rows, "sample_bytes": sample, "block_bytes": block,
+            "decode_side": decode_side, "consumer_side": consumer_side,
+            "total": decode_side + consumer_side}

@@ -1,0 +1,102 @@
+"""Which execution reads and decodes a rank's read items: threads of this process or Ray.
+
+``decode.compute`` resolved once, for this cluster, here (``auto``: threads on a small one-node
+cluster, actors otherwise, :func:`ray_ingest.execution.threads.resolve_compute`), and the executions
+of a loader's windows opened by it: :class:`~ray_ingest.execution.threads.ThreadedExecution` (no
+Ray), or a Ray Data execution (:class:`ray_ingest.execution.raydata.Execution`, imported only then)
+behind the head start (:mod:`ray_ingest.execution.headstart`) where that applies. Imports Ray only
+to open a Ray execution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from ray_ingest.catalog.catalog import Catalog
+from ray_ingest.config import Config
+from ray_ingest.execution.handoff import Execution
+from ray_ingest.execution.headstart import (
+    HeadStart,
+    split_head,
+)
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.execution.threads import (
+    ThreadedExecution,
+    decode_threads,
+    resolve_compute,
+    usable_cores,
+)
+from ray_ingest.metrics import running_ray
+from ray_ingest.plan.epoch import ReadItem
+from ray_ingest.plan.topology import Topology
+
+Opener = Callable[[list[ReadItem]], Execution]
+
+
+class Executions:
+    """Opens the execution of each window of a rank's stream (an ``open_execution`` callable).
+
+    Args:
+        cfg: the run configuration (``decode.compute: auto`` is resolved here).
+        catalog: the datasets' catalog.
+        topology: this rank's topology.
+        tags: the rank's Ray metric tags.
+        shared: one rank of the parallel group decodes for all (``loader.group_share``): a
+            share of the cluster per group, not per rank.
+        node_pipelines: pipelines that decode on this node, this one among them: decode
+            threads share the node's cores between them.
+        custom: opens every execution instead (tests: an in-process one); nothing is resolved.
+    """
+
+    def __init__(self, cfg: Config, catalog: Catalog, topology: Topology,
+                 tags: dict[str, str] | None = None, *, shared: bool = False,
+                 node_pipelines: int = 1, custom: Opener | None = None):
+        self.catalog, self.topology, self.tags, self.shared = catalog, topology, tags, shared
+        self._custom = custom
+        #: What decodes (``decode.compute``, ``auto`` resolved; "custom" for ``custom``).
+        self.compute = "custom"
+        if custom is None:
+            self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
+            cfg = attrs.evolve(cfg, decode=attrs.evolve(cfg.decode, compute=self.compute))
+        self.cfg = cfg
+        #: Decode threads of ``compute: threads``.
+        self.threads = decode_threads(cfg.decode, node_pipelines)
+        #: Executions opened (one per window of epochs).
+        self.opened = 0
+        #: Head starts of the Ray executions (their rows are counted in :attr:`head_rows`).
+        self.heads: list[HeadStart] = []
+
+    @property
+    def head_rows(self) -> int:
+        return sum(h.head_rows for h in self.heads)
+
+    def __call__(self, items: list[ReadItem]) -> Execution:
+        self.opened += 1
+        if self._custom is not None:
+            return self._custom(items)
+        if self.compute == "threads":  # this process decodes: no Ray involved
+            return ThreadedExecution(self.cfg, self.catalog, items, self.tags, self.threads)
+        lc = self.cfg.loader
+        if not (lc.head_start_batches and lc.ordered) or self.cfg.decode.label_selector:
+            return self._ray(items)
+        head, rest = split_head(items, lc.head_start_batches * lc.batch_size)
+        local = LocalExecution(self.cfg, self.catalog, head, self.tags)
+        self.heads.append(HeadStart(local, self._ray(rest) if rest else None))
+        return self.heads[-1]
+
+    def _ray(self, items: list[ReadItem]) -> Execution:
+        from ray_ingest.execution.raydata import Execution as RayExecution
+
+        # one pipeline per group when its leader decodes for it: a share of the cluster each
+        topo = self.topology
+        pipelines = topo.world_size // (topo.group_size if self.shared else 1)
+        return RayExecution(self.cfg, self.catalog, items, pipelines, self.tags, topo.rank)
+
+
+def _ray_nodes() -> int | None:
+    """Alive nodes of the Ray cluster this process is connected to (None: not connected).
+    Asks only a Ray already imported and initialised: this module does not start one."""
+    ray = running_ray()
+    return None if ray is None else sum(1 for n in ray.nodes() if n.get("Alive"))
