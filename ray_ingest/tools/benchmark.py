@@ -309,11 +309,6 @@ def summarize(t0: float, events: list[tuple[int, float, int]], mult: int = 1) ->
     }
 
 
-#: Seconds after Ray's start (and ``warm_up``) before its idle CPU is measured: the workers
-#: and Ray Data's actors finish starting first.
-IDLE_SETTLE_S = 3.0
-
-
 def print_idle(idle: cpu_roles.Account, when: str) -> None:
     rates = idle.per_second_ms()
     daemons = sum(rates.get(r, 0.0) for r in cpu_roles.RAY_DAEMONS)
@@ -382,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-s", type=float, default=10.0,
                    help="quiet seconds to measure Ray's idle CPU before and after the runs "
                         "(0: skip)")
+    p.add_argument("--idle-settle-s", type=float, default=3.0,
+                   help="wait before each idle measurement (workers Ray prestarts, and the "
+                        "last run's, finish starting or ending)")
     p.add_argument("--cpu-ref", default="ours:threads",
                    help="contender the others' CPU per sample is divided by")
     p.add_argument("--gap-s", type=float, default=1.0,
@@ -443,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             check_mode(args, n.partition(":")[2])
     idle = None
     if args.idle_s > 0:
-        idle = cpu_roles.measure_idle(args.idle_s, settle_s=IDLE_SETTLE_S)
+        idle = cpu_roles.measure_idle(args.idle_s, settle_s=args.idle_settle_s)
         print_idle(idle, "before the runs")
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.runs):
@@ -471,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("      " + cpu_roles.run_line(s["cpu_roles"], s["samples"]), flush=True)
     idle_after = None
     if args.idle_s > 0:
-        idle_after = cpu_roles.measure_idle(args.idle_s, settle_s=IDLE_SETTLE_S)
+        idle_after = cpu_roles.measure_idle(args.idle_s, settle_s=args.idle_settle_s)
         print_idle(idle_after, "after the runs")
     med = {n: {k: statistics.median(run[k] for run in v) for k in ("whole", "steady",
                                                                     "first_batch_s")}
