@@ -7,6 +7,9 @@ Contenders (all decode the same bytes: Pillow + JPEG draft + resize/center crop;
 resize the whole image, then crop, as their users write it, unless ``--baseline-resize kept``
 gives them ours, ``augment.resize_crop``, which resamples only the kept pixels):
   ours       IngestLoader (TwinTarDatasource -> Decoder actor pool -> batches), one rank
+  ours:MODE  the same with ``decode.compute: MODE`` (``ours:threads,ours:tasks,ours:actors``
+             compares the decode modes in one sitting); ``ours:decode.threads=2+loader.X=Y``
+             runs any other variant
   wds_dl     webdataset tar iterators zipped per twin shard (PiD's loader) in a torch
              DataLoader with ``--cores`` workers, started afresh every epoch
   wds_dl_pw  the same DataLoader with ``persistent_workers=True`` (start-up paid once)
@@ -20,11 +23,19 @@ Every contender runs ``--epochs`` epochs in one job. Per contender: the whole-ru
 the time to the first batch, and the stall at each epoch boundary (the gap between an epoch's
 last batch and the next epoch's first batch, minus the median gap between batches within
 epochs). Prints medians over ``--runs`` interleaved runs and the ratios of ours to each.
+
+Per run it also samples the CPU of every process involved from /proc (``--cpu-interval``;
+ray_ingest/tools/cpu_roles.py): the trainer (split by thread), Ray's decode workers, idle
+workers, Ray Data's actors, raylet, GCS, agents and the DataLoader's workers, per delivered
+sample; before and after the runs, the idle CPU of Ray's daemons over ``--idle-s`` quiet
+seconds (after the runs, Ray keeps idle workers and Ray Data's actors hold the sitting's
+stats); and the ratios of total CPU per sample between contenders (``--cpu-ref``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import itertools
 import json
@@ -44,6 +55,7 @@ from ray_ingest.decode.augment import (
     resize_crop,
     resize_then_crop,
 )
+from ray_ingest.tools import cpu_roles
 
 Batches = Iterator[tuple[int, int]]  # (epoch, samples) per delivered batch
 Resize = Callable[..., np.ndarray]
@@ -75,16 +87,42 @@ OURS: dict[str, dict] = {"decode": {}, "loader": {}}
 LAST_LOADER: list = []
 
 
-def run_ours(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
+def variant(mode: str) -> dict[str, dict]:
+    """The overrides of ``ours:MODE``: ``MODE`` alone is a ``decode.compute`` value; with an
+    ``=`` it is ``SECTION.FIELD=VALUE`` items joined by ``+`` (YAML values), for a variant that
+    is not a decode mode (``ours:decode.compute=threads+decode.threads=2``)."""
+    import yaml
+
+    if "=" not in mode:
+        return {"decode": {"compute": mode}}
+    out: dict[str, dict] = {"decode": {}, "loader": {}}
+    for item in mode.split("+"):
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        if section not in out or not field:
+            msg = (f"ours:{mode}: {item!r} is not decode.FIELD=VALUE or loader.FIELD=VALUE")
+            raise SystemExit(msg)
+        out[section][field] = yaml.safe_load(value)
+    return out
+
+
+def ours_config(root: str, res: int, batch: int, compute: str | None = None):
+    """The ``ours`` configuration: ``OURS`` overrides, then those of ``ours:MODE``
+    (``compute``: the MODE, see :func:`variant`)."""
     from ray_ingest.config import config_from_dict
+
+    over = variant(compute) if compute else {}
+    decode = {"resolution": res, **OURS["decode"], **over.get("decode", {})}
+    loader = {"batch_size": batch, **OURS["loader"], **over.get("loader", {})}
+    return config_from_dict({"data": {"paths": [root]}, "decode": decode, "loader": loader})
+
+
+def run_ours(root: str, res: int, batch: int, cores: int, epochs: int,
+             compute: str | None = None) -> Batches:
     from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.topology import Topology
 
-    cfg = config_from_dict({
-        "data": {"paths": [root]},
-        "decode": {"resolution": res, **OURS["decode"]},
-        "loader": {"batch_size": batch, **OURS["loader"]},
-    })
+    cfg = ours_config(root, res, batch, compute)
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=cfg.loader.read_workers))
     LAST_LOADER[:] = [loader]
     for epoch, batches in loader.epochs(epochs):
@@ -212,6 +250,31 @@ CONTENDERS = {"ours": run_ours, "wds_dl": run_wds_dl, "wds_dl_pw": run_wds_dl_pw
               "ceiling_par": run_ceiling_par}
 #: Ratios printed, with the goal of issue 10 where it sets one.
 GOALS = {"wds_dl_pw": {"whole": 1.0, "steady": 1.1}}
+#: Goals of issue 29 on total CPU per delivered sample, (contender, reference): at most.
+CPU_GOALS = {("ours:actors", "ours:threads"): 1.15}
+
+
+def check_mode(args: argparse.Namespace, mode: str) -> None:
+    """Exit with the config's one-line reason when ``ours:MODE`` names no valid config."""
+    from ray_ingest.errors import ConfigError
+
+    try:
+        ours_config(args.data, args.res, args.batch, mode)
+    except ConfigError as e:
+        raise SystemExit(f"--only ours:{mode}: {e}") from None
+
+
+def contender(name: str) -> Callable[..., Batches]:
+    """The run function of ``name``: a key of ``CONTENDERS`` or ``ours:MODE``."""
+    base, sep, mode = name.partition(":")
+    if base == "ours" and mode:
+        return functools.partial(run_ours, compute=mode)
+    if sep or base not in CONTENDERS:
+        msg = (f"--only: unknown contender {name!r}; expected one of "
+               f"{', '.join(CONTENDERS)} or ours:MODE (a decode.compute value, or "
+               f"SECTION.FIELD=VALUE items joined by +)")
+        raise SystemExit(msg)
+    return CONTENDERS[base]
 
 
 def _cpu_s() -> float:
@@ -246,6 +309,45 @@ def summarize(t0: float, events: list[tuple[int, float, int]], mult: int = 1) ->
     }
 
 
+def print_idle(idle: cpu_roles.Account, when: str) -> None:
+    rates = idle.per_second_ms()
+    daemons = sum(rates.get(r, 0.0) for r in cpu_roles.RAY_DAEMONS)
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in rates.items()
+                      if k not in ("total", cpu_roles.ACCOUNTING))
+    print(f"idle CPU {when} over {idle.wall_s:.1f} s, Ray up, nothing running (CPU ms per s): "
+          f"{parts}; "
+          f"Ray's daemons {daemons:.1f} (other processes on the machine: "
+          f"{max(0.0, idle.machine_busy_s - sum(idle.roles.values())) / idle.wall_s:.2f} cores)",
+          flush=True)
+
+
+def summarize_cpu(runs: dict[str, list[dict]], names: list[str], ref: str) -> dict:
+    """Print the per-role table of CPU per delivered sample and the ratios to ``ref``."""
+    cpu = cpu_roles.compare(runs, ref)
+    med = {n: cpu["ms_per_sample"][n] for n in names if n in cpu["ms_per_sample"]}
+    if not med:
+        return cpu
+    print("\nCPU per delivered sample by process role (medians of the runs; trainer = this "
+          "process, the sampler's own thread apart):")
+    print("\n".join(cpu_roles.format_table(med)))
+    threads = {n: cpu["trainer_threads"][n] for n in names if n in cpu["trainer_threads"]}
+    if threads:
+        print("  the trainer's CPU by thread:")
+        print("\n".join(cpu_roles.format_table(threads)))
+    for n, r in cpu["ratio"].items():
+        if r is None:
+            continue
+        goal = CPU_GOALS.get((n, ref))
+        per = ", ".join(f"{x:.2f}" for x in cpu["per_run_ratios"][n])
+        note = f" (goal <= {goal}x)" if goal else ""
+        print(f"  CPU/sample {n} / {ref} = {r:.2f}x{note}; per run {per}")
+    return cpu
+
+
+def _idle_json(idle: cpu_roles.Account | None) -> dict | None:
+    return None if idle is None else {"account": idle.to_dict(), "ms_per_s": idle.per_second_ms()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__.splitlines()[0])
     p.add_argument("--data", default="/tmp/ray_ingest_bench_tp", help="dataset folder (reused)")
@@ -270,7 +372,54 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ours: decode actors, min = max (default: the config default)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="ours: a config override (YAML value), e.g. loader.fused_read=true")
+    p.add_argument("--cpu-interval", type=float, default=0.2,
+                   help="seconds between /proc samples of every process's CPU (0: off)")
+    p.add_argument("--idle-s", type=float, default=10.0,
+                   help="quiet seconds to measure Ray's idle CPU before and after the runs "
+                        "(0: skip)")
+    p.add_argument("--idle-settle-s", type=float, default=3.0,
+                   help="wait before each idle measurement (workers Ray prestarts, and the "
+                        "last run's, finish starting or ending)")
+    p.add_argument("--cpu-ref", default="ours:threads",
+                   help="contender the others' CPU per sample is divided by")
+    p.add_argument("--gap-s", type=float, default=1.0,
+                   help="pause between runs, so the last run's decode workers are gone")
     return p
+
+
+def apply_sets(items: list[str]) -> None:
+    """``--set SECTION.FIELD=VALUE`` (YAML values) into ``OURS``."""
+    import yaml
+
+    for item in items:
+        key, _, value = item.partition("=")
+        section, _, field = key.partition(".")
+        if section not in OURS or not field:
+            raise SystemExit(f"--set {item!r}: expected decode.FIELD=VALUE or loader.FIELD=VALUE")
+        OURS[section][field] = yaml.safe_load(value)
+
+
+def ensure_dataset(args: argparse.Namespace) -> None:
+    """Synthesize ``args.data`` unless it holds a dataset (reused as it is otherwise)."""
+    from ray_ingest.tools.synth import synth_dataset
+
+    if not os.path.exists(os.path.join(args.data, "wdinfo.json")):
+        synth_dataset(args.data, samples=args.samples, shard_size=args.shard_size, seed=0,
+                      min_side=args.min_side, max_side=args.max_side, overwrite=True)
+
+
+def start_ray():
+    """A private local Ray as the job's driver starts it (quiet, Ray Data's actors warm)."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from ray_ingest.execution.raydata import warm_up
+
+    warm_up()  # as the job's driver does right after ray.init (ray_ingest.train.job.main)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.execution_options.verbose_progress = False
+    return ray
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,39 +431,33 @@ def main(argv: list[str] | None = None) -> int:
         OURS["loader"]["block_rows"] = args.block_rows
     if args.pool:
         OURS["decode"].update(pool_min=args.pool, pool_max=args.pool)
-    import yaml
-
-    for item in args.set:
-        key, _, value = item.partition("=")
-        section, _, field = key.partition(".")
-        if section not in OURS or not field:
-            raise SystemExit(f"--set {item!r}: expected decode.FIELD=VALUE or loader.FIELD=VALUE")
-        OURS[section][field] = yaml.safe_load(value)
-    from ray_ingest.tools.synth import synth_dataset
-
-    if not os.path.exists(os.path.join(args.data, "wdinfo.json")):
-        synth_dataset(args.data, samples=args.samples, shard_size=args.shard_size, seed=0,
-                      min_side=args.min_side, max_side=args.max_side, overwrite=True)
-    import ray
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    from ray_ingest.execution.raydata import warm_up
-
-    warm_up()  # as the job's driver does right after ray.init (ray_ingest.train.job.main)
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    ctx.execution_options.verbose_progress = False
+    apply_sets(args.set)
+    ensure_dataset(args)
+    ray = start_ray()
     names = [n for n in args.only.split(",") if n]
+    runners = {n: contender(n) for n in names}
+    for n in names:  # a bad ours:MODE fails now, not after the other contenders' runs
+        if n.startswith("ours:"):
+            check_mode(args, n.partition(":")[2])
+    idle = None
+    if args.idle_s > 0:
+        idle = cpu_roles.measure_idle(args.idle_s, settle_s=args.idle_settle_s)
+        print_idle(idle, "before the runs")
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.runs):
         for name in names:
             mult = args.cores if name == "ceiling" else 1
+            time.sleep(args.gap_s)
+            sampler = (cpu_roles.Sampler(interval=args.cpu_interval).start()
+                       if args.cpu_interval > 0 else None)
             cpu0 = _cpu_s()
             t0 = time.perf_counter()
             events = [(e, time.perf_counter(), k) for e, k in
-                      CONTENDERS[name](args.data, args.res, args.batch, args.cores, args.epochs)]
+                      runners[name](args.data, args.res, args.batch, args.cores, args.epochs)]
             s = summarize(t0, events, mult)
             s["cpu_s"] = _cpu_s() - cpu0
+            if sampler is not None:
+                s["cpu_roles"] = sampler.stop().to_dict()
             runs[name].append(s)
             stalls = " ".join(f"{x:.2f}" for x in s["boundary_stall_s"])
             print(f"run {r} {name:9s} {s['samples']} samples in {s['wall_s']:6.2f} s: whole "
@@ -322,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['first_batch_s']:5.2f} s boundary stalls [{stalls}] s; CPU "
                   f"{s['cpu_s'] / s['samples'] * 1e3:.2f} ms/sample, "
                   f"{s['cpu_s'] / s['wall_s']:.2f} cores busy", flush=True)
+            if sampler is not None:
+                print("      " + cpu_roles.run_line(s["cpu_roles"], s["samples"]), flush=True)
+    idle_after = None
+    if args.idle_s > 0:
+        idle_after = cpu_roles.measure_idle(args.idle_s, settle_s=args.idle_settle_s)
+        print_idle(idle_after, "after the runs")
     med = {n: {k: statistics.median(run[k] for run in v) for k in ("whole", "steady",
                                                                     "first_batch_s")}
            for n, v in runs.items()}
@@ -330,28 +479,33 @@ def main(argv: list[str] | None = None) -> int:
         med[n]["boundary_stall_s"] = [statistics.median(x) for x in per]
     print(f"\nmedians of {args.runs} interleaved runs, {args.epochs} epochs "
           f"(ceiling = 1-process rate x cores; baselines resize: {args.baseline_resize}):")
-    print(f"  {'contender':10s} {'whole':>8s} {'steady':>8s} {'1st batch':>10s}  boundary stalls")
+    w = max(10, *map(len, names))
+    print(f"  {'contender':{w}s} {'whole':>8s} {'steady':>8s} {'1st batch':>10s}  boundary stalls")
     for n in names:
         m = med[n]
         stalls = ", ".join(f"{x:.2f}" for x in m["boundary_stall_s"])
-        print(f"  {n:10s} {m['whole']:8.1f} {m['steady']:8.1f} {m['first_batch_s']:9.2f}s  "
+        print(f"  {n:{w}s} {m['whole']:8.1f} {m['steady']:8.1f} {m['first_batch_s']:9.2f}s  "
               f"[{stalls}] s")
-    if "ours" in med:
+    ours_names = [n for n in names if n == "ours" or n.startswith("ours:")]
+    for o in ours_names:
         for n in names:
-            if n == "ours":
+            if n in ours_names:
                 continue
             goal = GOALS.get(n, {})
-            w, s = med["ours"]["whole"] / med[n]["whole"], med["ours"]["steady"] / med[n]["steady"]
+            wr, s = med[o]["whole"] / med[n]["whole"], med[o]["steady"] / med[n]["steady"]
             note = (f" (goal whole >= {goal['whole']}x, steady >= {goal['steady']}x)"
                     if goal else "")
-            print(f"  ours / {n:9s} = {w:.2f}x whole run, {s:.2f}x steady state{note}")
-        if LAST_LOADER:
-            loader = LAST_LOADER[0]
-            print(f"\nours, last run: stages {json.dumps(loader.metrics(), default=str)}")
+            print(f"  {o} / {n:9s} = {wr:.2f}x whole run, {s:.2f}x steady state{note}")
+    cpu = summarize_cpu(runs, names, args.cpu_ref) if args.cpu_interval > 0 else None
+    if ours_names and LAST_LOADER:
+        loader = LAST_LOADER[0]
+        print(f"\nours, last run: stages {json.dumps(loader.metrics(), default=str)}")
     print(f"\ncommand: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"medians": med, "runs": runs, "args": vars(args)}, f, indent=2)
+            json.dump({"medians": med, "runs": runs, "args": vars(args), "cpu": cpu,
+                       "idle": _idle_json(idle), "idle_after": _idle_json(idle_after)},
+                      f, indent=2)
     ray.shutdown()
     return 0
 
