@@ -20,16 +20,15 @@ No Ray, no torch.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.errors import IngestError
+from ray_ingest.train.ledger import read_lines
 
 #: ``status`` of an epoch report.
 EXACTLY_ONCE, INCOMPLETE, VIOLATION = "exactly-once", "incomplete", "violation"
@@ -41,29 +40,6 @@ class RankLedger:
     batches: list[dict[str, Any]] = attrs.field(factory=list)
     epoch_ends: dict[int, int] = attrs.field(factory=dict)
     restarts: int = 0
-
-
-def _lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise IngestError(f"{path}:{n}: malformed ledger line ({exc.msg})") from None
-
-
-def next_attempt(path: str) -> int:
-    """Number of the next attempt: the start events already in ``path`` (rank 0's ledger).
-
-    Rank 0 takes part in every attempt, so its own file counts them all; it computes the
-    number and broadcasts it to the other ranks before any of them writes its start event.
-    """
-    if not os.path.exists(path):
-        return 0
-    return sum(1 for _, rec in _lines(path) if rec.get("event") == "start")
 
 
 def _derive_attempts(starts: dict[int, list[tuple[str, dict[str, Any]]]]) -> dict[int, list[int]]:
@@ -112,7 +88,7 @@ def read_ledgers(folder: str) -> dict[int, RankLedger]:
     for name in files:
         path = os.path.join(folder, name)
         rank: int | None = None
-        for n, rec in _lines(path):
+        for n, rec in read_lines(path):
             if rank is None:
                 rank = int(rec.get("rank", -1))
             if rec.get("event") == "start":

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from ray_ingest.config import Config, load_config
-from ray_ingest.train.ledger import _ledger_append, _ledger_attempt
+from ray_ingest.train import ledger as ledger_file
 
 log = logging.getLogger("ray_ingest.train")
 
@@ -142,8 +142,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if audit_dir:
         os.makedirs(audit_dir, exist_ok=True)
         ledger = os.path.join(audit_dir, f"rank_{rank:05d}.jsonl")
-        _ledger_append(ledger, {"event": "start",
-                                "attempt": _ledger_attempt(audit_dir, rank, device),
+        ledger_file.append(ledger, {"event": "start",
+                                "attempt": ledger_file.attempt_number(audit_dir, rank, device),
                                 "rank": rank, "world": world,
                                 "slot": topo.slot, "resume_step": global_step,
                                 "epoch": loader.state.epoch, "node": node_id})
@@ -188,7 +188,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             losses.append(loss.item())
             samples_log += len(batch.sample_keys)
             if ledger:
-                _ledger_append(ledger, {"epoch": epoch, "step": global_step, "rank": rank,
+                ledger_file.append(ledger, {"epoch": epoch, "step": global_step, "rank": rank,
                                         "slot": topo.slot, "batch": batch.step_in_epoch,
                                         "keys": batch.sample_keys, "sids": batch.sids,
                                         "indices": batch.indices, "pads": batch.pads,
@@ -226,7 +226,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if ledger and loader.state.epoch > epoch:
             # decode/read nodes: samples per Ray node id, as reported by the decode actors and
             # read tasks themselves, since this worker (re)started (placement provenance)
-            _ledger_append(ledger, {"event": "epoch_end", "epoch": epoch, "rank": rank,
+            ledger_file.append(ledger, {"event": "epoch_end", "epoch": epoch, "rank": rank,
                                     "step": global_step, "node": node_id,
                                     "decode_nodes": dict(loader.decode_nodes),
                                     "read_nodes": dict(loader.read_nodes)})

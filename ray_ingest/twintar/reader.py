@@ -16,11 +16,10 @@ import io
 import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import attrs
 
-from ray_ingest.catalog.shard import Shard
 from ray_ingest.errors import IngestError, TarFormatError
 from ray_ingest.twintar import remote
 from ray_ingest.twintar.tario import (
@@ -29,6 +28,10 @@ from ray_ingest.twintar.tario import (
     index_url,
     iter_members,
 )
+
+if TYPE_CHECKING:  # a shard of the catalog (the layer above) is only read here
+    from ray_ingest.catalog.shard import Shard
+
 from ray_ingest.twintar.twin import (
     DEFAULT_READ_AHEAD,
     AlignStats,
