@@ -44,6 +44,7 @@ import numpy as np
 from ray_ingest import remote
 from ray_ingest.catalog import WDINFO_NAME, discover, join_url, read_wdinfo, url_dirname
 from ray_ingest.errors import CatalogError, ConfigError, IngestError, UnsafeFormatError
+from ray_ingest.safepath import check_folder_name
 from ray_ingest.tario import TarIndex, build_index, index_url, iter_members
 from ray_ingest.tasks import Executor, LocalExecutor
 from ray_ingest.writer import ShardWriter, partial_url, rename_file, write_file_atomic
@@ -219,7 +220,10 @@ def _ensure_index(url: str, so: Mapping[str, Any]) -> None:
 
 
 def _copy(src: str, dst: str, so: Mapping[str, Any]) -> None:
-    """Byte copy ``src`` -> ``dst.partial`` -> ``dst``, then the key index."""
+    """Byte copy ``src`` -> ``dst.partial`` -> ``dst``, then the key index. The source's
+    headers are walked first: a tar holding an unsafe member is refused, never copied."""
+    with remote.open_url(src, dict(so)) as f:
+        build_index(f, src)
     dst_fs, dst_path = _fs(partial_url(dst), so)
     parent = posixpath.dirname(dst_path)
     if parent:
@@ -425,6 +429,7 @@ def convert_pickles(
     so = dict(storage_options or {})
     if not modality or "/" in modality:
         raise ConfigError(f"modality: expected a folder name, got {modality!r}")
+    check_folder_name("modality", modality)
     if shards_per_task < 1:
         raise ConfigError(f"shards_per_task: expected >= 1, got {shards_per_task}")
     urls = discover(root, so)

@@ -472,6 +472,7 @@ def _plan_reshard(ds: ray.data.Dataset, modalities: Sequence[str], bucket_column
     narrow = ds.map_batches(
         _PlanColumns(tuple(modalities), bucket_column, max_shard_bytes is not None),
         batch_format="pyarrow", num_cpus=num_cpus)
+    narrow.context.raise_original_map_exception = True  # our one-line errors, not a wrapper
     tables = [t for t in narrow.iter_batches(batch_size=None, batch_format="pyarrow")
               if t.num_rows]
     if not tables:
@@ -680,6 +681,9 @@ def _ingest_cause(exc: BaseException) -> IngestError | None:
             cur = cause if isinstance(cause, BaseException) else cur.__cause__
             continue
         if isinstance(cur, IngestError):
+            if cur.args and isinstance(cur.args[0], str) and "\n" in cur.args[0]:
+                # Ray Data appends retry advice on new lines; our messages are one line.
+                cur.args = (cur.args[0].split("\n", 1)[0], *cur.args[1:])
             return cur
         cur = cur.__cause__ or cur.__context__
     return None
@@ -791,6 +795,7 @@ def write_twin_tars(
     packed = assigned.groupby([_OUT_LEAF, _OUT_PATH], num_partitions=num_partitions).map_groups(
         _pack_shard, fn_kwargs={"modalities": mods, "extensions": exts},
         batch_format="pyarrow", num_cpus=num_cpus)
+    packed.context.raise_original_map_exception = True  # our one-line errors, not a wrapper
     sink = TwinTarsDatasink(path, mods, so, chunk_size=shard_size)
     remote_args: dict[str, Any] = {}
     if num_cpus is not None:

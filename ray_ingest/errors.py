@@ -48,3 +48,13 @@ class StallError(IngestError):
 class GroupError(RuntimeError):
     """A parallel group's shared stream broke: its leader failed or is gone, or a wait for it
     ran past loader.group_timeout_s. Names the group, its leader, the epoch and the batch."""
+
+
+class UnsafeMemberError(TarFormatError):
+    """A tar entry could leave its folder or hide part of its name (``..``, an absolute path, a
+    NUL byte), or is a link or a device: refused, never followed (:mod:`ray_ingest.safepath`)."""
+
+
+class UnsafePathError(IngestError):
+    """A relative path (a ``data_list`` entry, an output shard path or folder) would leave the
+    folder it is joined to: refused (:mod:`ray_ingest.safepath`)."""

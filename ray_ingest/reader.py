@@ -23,6 +23,7 @@ import attrs
 from ray_ingest import remote
 from ray_ingest.catalog import TarSample
 from ray_ingest.errors import IngestError, TarFormatError
+from ray_ingest.safepath import check_folder_name, check_rel_path
 from ray_ingest.tario import Member, TarIndex, index_url, iter_members
 from ray_ingest.twin import DEFAULT_WINDOW, AlignStats, check_align, expand
 
@@ -191,6 +192,9 @@ def read_shard(
     member over ``opts.max_member_bytes``, a key beyond the merge look-ahead) comes as a row
     whose :data:`~ray_ingest.twin.ERROR` holds the error, instead of raising.
     """
+    check_rel_path(f"shard {shard.path}", shard.path)  # catalogs refuse these; TarSample may not
+    for m in shard.modalities:
+        check_folder_name(f"shard {shard.path}: modality", m)
     stack = contextlib.ExitStack()
     with stack:
         streams: dict[str, Iterator[Member]] = {}

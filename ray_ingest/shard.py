@@ -7,8 +7,9 @@ Input: one subfolder per modality (any names), files keyed by stem::
 How it works:
 
 1. Scan each folder's top-level files. A stem counts in a folder when exactly one usable file
-   has it (hidden files, files without extension, several files per stem, unreadable entries
-   and files over ``max_file_size_mb`` are dropped and counted).
+   has it (hidden files, files without extension, several files per stem, unreadable entries,
+   links and special files, never followed, and files over ``max_file_size_mb`` are dropped
+   and counted). A modality folder that is a link is refused.
 2. Samples = the stems usable in **every** folder, sorted (or shuffled with ``seed``). Keys are
    the stems with ``.`` replaced by ``-`` (what readers would make of them anyway), optionally
    prefixed ``<dataset_name>__``; stems that collide after that are dropped.
@@ -63,8 +64,10 @@ BAD_KEY = "unusable key"
 COLLISION = "key collision"
 OTHER_FOLDER = "sample dropped in another folder"
 BEYOND_LIMIT = "beyond limit"
+#: A symbolic link, device, FIFO or socket: never read (a link can point anywhere).
+SPECIAL = "link or special file"
 REASONS = (NOT_EVERYWHERE, UNREADABLE, TOO_LARGE, NO_EXTENSION, HIDDEN, AMBIGUOUS, BAD_KEY,
-           COLLISION, OTHER_FOLDER, BEYOND_LIMIT)
+           COLLISION, OTHER_FOLDER, BEYOND_LIMIT, SPECIAL)
 
 _MB = 1024 * 1024
 
@@ -155,8 +158,11 @@ def _scan(
             bad[stem] = (AMBIGUOUS, len(entries))
             continue
         entry = entries[0]
+        if entry.get("islink") or entry.get("type") == "other":
+            bad[stem] = (SPECIAL, 1)  # link, device, FIFO, socket: never followed or read
+            continue
         if entry.get("type") != "file":
-            bad[stem] = (UNREADABLE, 1)  # broken link, socket, ...
+            bad[stem] = (UNREADABLE, 1)
             continue
         size = int(entry.get("size") or 0)
         if size > max_file_bytes:
@@ -276,8 +282,13 @@ def shard_folders(
         raise ConfigError(f"{input_dir}: input folder not found")
     protocol = fs.protocol[0] if isinstance(fs.protocol, (list, tuple)) else fs.protocol
     prefix = "" if protocol in ("file", "local") else f"{protocol}://"
+    entries = fs.ls(root, detail=True)
+    for e in entries:  # a linked modality folder could be anywhere: refused, not followed
+        if e.get("islink") and not _basename(e["name"]).startswith(".") and fs.isdir(e["name"]):
+            raise ConfigError(f"{input_dir}: {_basename(e['name'])} is a link to a folder; "
+                              "shard reads real folders only (a link can point anywhere)")
     folders = sorted(
-        _basename(e["name"]) for e in fs.ls(root, detail=True)
+        _basename(e["name"]) for e in entries
         if e.get("type") == "directory" and not _basename(e["name"]).startswith(".")
     )
     if not folders:

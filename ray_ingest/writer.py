@@ -36,6 +36,7 @@ import fsspec
 
 from ray_ingest.catalog import WDINFO_NAME, join_url
 from ray_ingest.errors import ConfigError, IngestError, TarFormatError
+from ray_ingest.safepath import check_folder_name, check_member_name, check_rel_path, name_problem
 from ray_ingest.tario import BLOCK, TarIndex, index_url, split_name
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,10 @@ def shard_rel_path(shard_id: int, part_size: int = 1000) -> str:
 def check_key(key: str) -> None:
     """Reject keys that readers would see differently (see :func:`ray_ingest.tario.split_name`)."""
     parsed = split_name(f"{key}.x") if isinstance(key, str) else None
-    if parsed is None or parsed[0] != key or "." in key:
+    if parsed is None or parsed[0] != key or "." in key or name_problem(key) is not None:
         raise ConfigError(
             f"sample key: expected a non-empty name without '.' that is not a __metadata__ "
-            f"entry, got {key!r}"
+            f"entry, an absolute path or holds a NUL byte, got {key!r}"
         )
 
 
@@ -253,6 +254,9 @@ class ShardWriter:
             raise ConfigError(f"modalities: expected distinct names, got {list(modalities)}")
         if not path.endswith(".tar") or path.startswith("/"):
             raise ConfigError(f"shard path: expected a relative '*.tar' path, got {path!r}")
+        check_rel_path(f"shard {path}", path)  # never a tar outside <leaf>/<modality>/
+        for m in modalities:
+            check_folder_name(f"shard {path}: modality", m)
         self.leaf = leaf
         self.path = path
         self.modalities = tuple(modalities)
@@ -295,6 +299,8 @@ class ShardWriter:
         """
         if not self._streams:
             raise ConfigError(f"shard {self.path}: writer is not open")
+        if isinstance(key, str):
+            check_member_name(f"shard {self.path}: sample key", key)
         check_key(key)
         if key in self._keys:
             raise ConfigError(f"shard {self.path}: duplicate sample key {key!r}")
@@ -322,6 +328,7 @@ class ShardWriter:
                     f"sample {key!r}: {m} member name {name!r} does not give key {key!r} "
                     f"and extension {ext!r}"
                 )
+            check_member_name(f"shard {self.path}", name)
             names[m] = name
         self._keys.add(key)
         for m in self.modalities:
