@@ -52,6 +52,7 @@ import pyarrow as pa
 
 from ray_ingest import remote
 from ray_ingest.errors import CatalogError, IngestError, TarFormatError
+from ray_ingest.redact import options_repr, register
 from ray_ingest.safepath import check_folder_name, check_rel_path, first_unsafe_path
 from ray_ingest.tario import TarIndex, index_url, split_name
 from ray_ingest.wdinfo_scan import scan_wdinfo
@@ -238,8 +239,8 @@ class DatasetInfo:
     per_dataset_modalities: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
     #: Human-readable source name.
     source: str = ""
-    #: fsspec storage options (PiD: object_store_config).
-    object_store_config: dict[str, Any] = attrs.field(factory=dict)
+    #: fsspec storage options (PiD: object_store_config); redacted in its repr.
+    object_store_config: dict[str, Any] = attrs.field(factory=dict, repr=options_repr)
 
     def __init__(self, wdinfo: Iterable[str], opts: dict[str, Any] | None = None,
                  per_dataset_modalities: Iterable[str] = (), source: str = "",
@@ -1306,6 +1307,7 @@ def load_catalog(
     resolved: list[tuple[DatasetInfo, dict[str, Any], list[str]]] = []
     for info in infos:
         so = {**(storage_options or {}), **info.object_store_config}
+        register(so)  # their secrets never show in this process's errors or logs
         urls: list[str] = []
         for p in info.wdinfo:
             urls.extend(discover(p, so))

@@ -44,6 +44,7 @@ import numpy as np
 from ray_ingest import remote
 from ray_ingest.catalog import WDINFO_NAME, discover, join_url, read_wdinfo, url_dirname
 from ray_ingest.errors import CatalogError, ConfigError, IngestError, UnsafeFormatError
+from ray_ingest.redact import options_repr, register
 from ray_ingest.safepath import check_folder_name
 from ray_ingest.tario import TarIndex, build_index, index_url, iter_members
 from ray_ingest.tasks import Executor, LocalExecutor
@@ -297,9 +298,10 @@ class _ConvertGroup:
     """Converts a list of shards (picklable: an executor may run it as a Ray task)."""
 
     modality: str
-    storage_options: dict[str, Any]
+    storage_options: dict[str, Any] = attrs.field(repr=options_repr)
 
     def __call__(self, jobs: Sequence[ConvertJob]) -> list[ShardResult]:
+        register(self.storage_options)  # maybe a Ray task's process: errors never show them
         return [self.one(job) for job in jobs]
 
     def one(self, job: ConvertJob) -> ShardResult:
@@ -427,6 +429,7 @@ def convert_pickles(
         CatalogError, ConfigError, IngestError: bad input, named.
     """
     so = dict(storage_options or {})
+    register(so)
     if not modality or "/" in modality:
         raise ConfigError(f"modality: expected a folder name, got {modality!r}")
     check_folder_name("modality", modality)

@@ -51,6 +51,7 @@ from ray_ingest.config import DecodeConfig
 from ray_ingest.errors import ConfigError, IngestError
 from ray_ingest.pipeline import decode_udf
 from ray_ingest.reader import ReadOptions
+from ray_ingest.redact import register
 from ray_ingest.shard import _groups as group_into_shards
 from ray_ingest.source import DEFAULT_SAMPLE_BYTES, ReadItem, read_item
 from ray_ingest.twin import INDEX, KEY, SHARD, ext_column
@@ -625,6 +626,7 @@ class TwinTarsDatasink(Datasink):
         return "TwinTars"
 
     def write(self, blocks: Iterable[Any], ctx: Any) -> list[dict[str, Any]]:
+        register(self.storage_options)  # a write task's errors never show them
         results = []
         for block in blocks:
             table = BlockAccessor.for_block(block).to_arrow()
@@ -752,6 +754,7 @@ def write_twin_tars(
         :class:`TwinWriteReport`: samples, shards, wdinfo URLs, bytes, shards written and kept.
     """
     so = dict(storage_options or {})
+    register(so)
     mods = _modalities(modalities, keys, "write_twin_tars")
     if mods is None:
         raise ConfigError("write_twin_tars: modalities: expected the modality columns to "

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from ray_ingest.redact import scrub
+
 
 class IngestError(Exception):
-    """Base class: bad input the user can fix. The CLI prints it as one line and exits 2."""
+    """Base class: bad input the user can fix. The CLI prints it as one line and exits 2.
+
+    Its text never shows a credential: registered storage-option secrets and the passwords of
+    ``user:password@`` URLs are replaced (:func:`ray_ingest.redact.scrub`)."""
+
+    def __str__(self) -> str:
+        return scrub(super().__str__())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class CatalogError(IngestError):

@@ -37,6 +37,7 @@ import attrs
 import fsspec
 
 from ray_ingest.errors import ConfigError, IngestError
+from ray_ingest.redact import options_repr, register
 from ray_ingest.tasks import Executor
 from ray_ingest.writer import (
     ASPECT_RATIOS,
@@ -95,13 +96,14 @@ class _WriteGroup:
     """
 
     modalities: tuple[str, ...]
-    storage_options: dict[str, Any]
+    storage_options: dict[str, Any] = attrs.field(repr=options_repr)
     num_workers: int = 1
     progress: bool | None = False
 
     def __call__(self, jobs: Sequence[ShardJob]
                  ) -> tuple[list[ShardInfo], dict[str, dict[str, int]]]:
         so = self.storage_options
+        register(so)  # maybe a Ray task's process: its errors never show them
         drops = DatasetReport()
         lock = threading.Lock()
 
@@ -260,6 +262,7 @@ def shard_folders(
         ConfigError: bad arguments, no modality folders, or no sample usable in every folder.
     """
     so = dict(storage_options or {})
+    register(so)
     if shard_size is not None and shard_size < 1:
         raise ConfigError(f"shard_size: expected >= 1, got {shard_size}")
     if shard_size is None and not max_shard_size_mb > 0:
