@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ray_ingest.auth import secure_local_ray  # noqa: E402
 from ray_ingest.catalog import load_catalog  # noqa: E402
 from ray_ingest.decode import Decoder  # noqa: E402
 from ray_ingest.reader import ReadOptions, read_shard  # noqa: E402
@@ -201,6 +201,7 @@ def ray_rows(pristine: Path, work: Path, local: Path, gs_root: str, port: int,
     from ray_ingest.plan.topology import Topology
     from ray_ingest.stream import IngestLoader
 
+    secure_local_ray()  # token authentication on (a one-off token if none is set up)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})
     topo = Topology(world_size=1, rank=0, num_workers=1)

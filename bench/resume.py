@@ -27,10 +27,10 @@ import time
 
 import numpy as np
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
+from ray_ingest.auth import secure_local_ray  # noqa: E402
 from ray_ingest.catalog import Catalog, TarSample, Wdinfo, load_catalog  # noqa: E402
 from ray_ingest.config import Config, config_from_dict  # noqa: E402
 from ray_ingest.plan import PlanParams, Topology  # noqa: E402
@@ -111,6 +111,7 @@ def bench_first_batch(args: argparse.Namespace) -> None:
     noidx = data + "_noindex"
     if not os.path.exists(noidx):
         shutil.copytree(data, noidx, ignore=shutil.ignore_patterns("*.idx.json"))
+    secure_local_ray()  # token authentication on (a one-off token if none is set up)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              object_store_memory=512 * 1024**2)
     ctx = ray.data.DataContext.get_current()

@@ -347,8 +347,12 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    ray_module = sys.modules.get("ray")
+    if not os.environ.get("RAY_ADDRESS") and not (ray_module and ray_module.is_initialized()):
+        from ray_ingest.auth import secure_local_ray
+
+        secure_local_ray()  # the embedded Ray below runs with token authentication
     from ray_ingest.errors import IngestError
 
     try:
