@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 import attrs
 
 from ray_ingest.errors import TarFormatError
-from ray_ingest.safepath import check_member
+from ray_ingest.safepath import SPECIAL_TYPES, check_member
 
 BLOCK = 512
 INDEX_SUFFIX = ".idx.json"
@@ -219,7 +219,8 @@ def iter_members(
             padded = (size + BLOCK - 1) // BLOCK * BLOCK
         member_offset = header_start
         long_name, pax, header_start = None, {}, None
-        check_member(source, name, typeflag, member_offset)
+        if typeflag in SPECIAL_TYPES or "\0" in name or name[:1] == "/" or ".." in name:
+            check_member(source, name, typeflag, member_offset)  # refused unless ".." is benign
         if typeflag not in _REGULAR:
             _skip(f, padded, seekable, source, f"member {name!r}", pos)
             pos += padded
