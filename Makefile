@@ -3,7 +3,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 

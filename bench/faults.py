@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,6 +54,7 @@ from ray_ingest.execution.read import (  # noqa: E402
     read_item,
 )
 from ray_ingest.tools.synth import synth_dataset  # noqa: E402
+from ray_ingest.train.auth import secure_local_ray  # noqa: E402
 from ray_ingest.twintar.reader import (  # noqa: E402
     ReadOptions,
     read_shard,
@@ -211,6 +211,7 @@ def ray_rows(pristine: Path, work: Path, local: Path, gs_root: str, port: int,
     from ray_ingest.plan.state import slot_stream
     from ray_ingest.plan.topology import Topology
 
+    secure_local_ray()  # token authentication on (a one-off token if none is set up)
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}})
     topo = Topology(world_size=1, rank=0, read_workers=1)

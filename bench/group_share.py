@@ -52,7 +52,7 @@ def run_job(data: str, args: argparse.Namespace, group: int, share: str, tmp: st
         yaml.safe_dump(job_config(data, args, share, os.path.join(tmp, "runs")), f)
     cmd = [sys.executable, os.path.join(REPO, "jobs", "train.py"), "--config", cfg_path,
            "--group-size", str(group), "--name", tag, "--num-cpus", str(args.num_cpus)]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}  # the job secures its own Ray
     env.pop("RAY_ADDRESS", None)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)

@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
@@ -50,6 +49,7 @@ from ray_ingest.plan.state import (  # noqa: E402
     with_topology,
 )
 from ray_ingest.tools.synth import synth_dataset  # noqa: E402
+from ray_ingest.train.auth import secure_local_ray  # noqa: E402
 
 OFFSETS = (0.1, 0.5, 0.9)
 
@@ -117,6 +117,7 @@ def bench_first_batch(args: argparse.Namespace) -> None:
     noidx = data + "_noindex"
     if not os.path.exists(noidx):
         shutil.copytree(data, noidx, ignore=shutil.ignore_patterns("*.idx.json"))
+    secure_local_ray()  # token authentication on (a one-off token if none is set up)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              object_store_memory=512 * 1024**2)
     ctx = ray.data.DataContext.get_current()

@@ -21,10 +21,8 @@ from ray_ingest.catalog.shard import (
 from ray_ingest.errors import ConfigError
 from ray_ingest.plan.assign import PlanParams
 from ray_ingest.plan.settings import PlanSettings
-from ray_ingest.twintar.twin import (
-    ALIGN_MODES,
-    DEFAULT_READ_AHEAD,
-)
+from ray_ingest.redact import options_repr, register
+from ray_ingest.twintar.twin import ALIGN_MODES, DEFAULT_READ_AHEAD
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +93,12 @@ class DataConfig:
     #: looking for a key; a key not found within them is an error, or a recorded skip under
     #: loader.on_error=skip. Tars with the sharder's key index need no read-ahead for absent keys.
     max_read_ahead: int = attrs.field(default=DEFAULT_READ_AHEAD, validator=_at_least(1))
-    #: fsspec storage options for remote paths (e.g. token, project).
-    storage_options: dict[str, Any] = attrs.field(factory=dict)
+    #: fsspec storage options for remote paths (e.g. token, project). Redacted wherever the
+    #: config is shown (repr, the job's Ray Train config, logs, errors): ray_ingest.redact.
+    storage_options: dict[str, Any] = attrs.field(factory=dict, repr=options_repr)
+
+    def __attrs_post_init__(self) -> None:
+        register(self.storage_options)
 
     @paths.validator
     def _paths(self, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from ray_ingest.redact import scrub
+
 
 class IngestError(Exception):
-    """Base class: bad input the user can fix. The CLI prints it as one line and exits 2."""
+    """Base class: bad input the user can fix. The CLI prints it as one line and exits 2.
+
+    Its text never shows a credential: registered storage-option secrets and the passwords of
+    ``user:password@`` URLs are replaced (:func:`ray_ingest.redact.scrub`)."""
+
+    def __str__(self) -> str:
+        return scrub(super().__str__())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
 
 
 class CatalogError(IngestError):
@@ -48,3 +59,14 @@ class StallError(IngestError):
 class GroupError(RuntimeError):
     """A parallel group's shared stream broke: its leader failed or is gone, or a wait for it
     ran past loader.group_timeout_s. Names the group, its leader, the epoch and the batch."""
+
+
+class UnsafeMemberError(TarFormatError):
+    """A tar entry could leave its folder or hide part of its name (``..``, an absolute path, a
+    NUL byte), or is a link or a device: refused, never followed
+    (:mod:`ray_ingest.twintar.safepath`)."""
+
+
+class UnsafePathError(IngestError):
+    """A relative path (a ``data_list`` entry, an output shard path or folder) would leave the
+    folder it is joined to: refused (:mod:`ray_ingest.twintar.safepath`)."""

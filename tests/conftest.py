@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from ray_ingest.train.auth import write_token_file
+
+# Token authentication on, as users run it (docs/security.md): one token for every Ray this
+# session starts (the session Ray, `ray start` heads, jobs/train.py subprocesses), in a private
+# temporary file, never the user's ~/.ray/auth_token. RAY_AUTH_MODE=disabled opts out.
+_TOKEN_DIR = tempfile.mkdtemp(prefix="ray_ingest_test_auth_")
+atexit.register(shutil.rmtree, _TOKEN_DIR, True)
+os.environ.pop("RAY_AUTH_TOKEN", None)
+os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_token_file(os.path.join(_TOKEN_DIR, "auth_token")))
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -23,6 +23,7 @@ from ray_ingest.catalog.discovery import check_roots, discover
 from ray_ingest.catalog.shard import DEFAULT_MODALITIES, DatasetInfo, check_root_mode
 from ray_ingest.catalog.wdinfo import Wdinfo, read_wdinfo
 from ray_ingest.errors import CatalogError
+from ray_ingest.redact import register
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def load_catalog(
     resolved: list[tuple[DatasetInfo, dict[str, Any], list[str]]] = []
     for info in infos:
         so = {**(storage_options or {}), **info.object_store_config}
+        register(so)  # their secrets never show in this process's errors or logs
         urls: list[str] = []
         for p in info.wdinfo:
             urls.extend(discover(p, so))

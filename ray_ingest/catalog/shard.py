@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from ray_ingest.errors import CatalogError
+from ray_ingest.redact import options_repr
 from ray_ingest.twintar.fsio import join_url
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,9 @@ class DatasetInfo:
     per_dataset_modalities: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
     #: Human-readable source name.
     source: str = ""
-    #: fsspec storage options (PiD: object_store_config).
-    object_store_config: dict[str, Any] = attrs.field(factory=dict, converter=_dict_or_empty)
+    #: fsspec storage options (PiD: object_store_config); redacted in its repr.
+    object_store_config: dict[str, Any] = attrs.field(factory=dict, converter=_dict_or_empty,
+                                                      repr=options_repr)
 
     @wdinfo.validator
     def _check_wdinfo(self, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:

@@ -33,6 +33,7 @@ from ray_ingest.catalog.shard import (
 from ray_ingest.errors import CatalogError, IngestError
 from ray_ingest.twintar import remote
 from ray_ingest.twintar.fsio import _is_absolute, join_url, url_dirname
+from ray_ingest.twintar.safepath import check_folder_name, check_rel_path, first_unsafe_path
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,11 @@ def _make_wdinfo(url: str, paths: pa.Array, counts: np.ndarray | None, total: in
                  chunk_field: int | None, root_field: str | None, data_keys: tuple[str, ...],
                  modalities: Sequence[str] | None, dset_id: str, root_mode: str) -> Wdinfo:
     n = len(paths)
+    bad = first_unsafe_path(paths.buffers()[2], _offsets(paths))
+    if bad is not None:  # a tar outside root/<modality>/: refused, whoever wrote the wdinfo
+        check_rel_path(f"{url}: field 'data_list[{bad}]'", paths[bad].as_py())
+    for k in data_keys:  # modality folders: root/<data key>/<path>
+        check_folder_name(f"{url}: field 'data_keys'", k)
     chunk = chunk_of(url, chunk_field, counts, total, n)
     folder = url_dirname(url)
     if not root_field:

@@ -45,6 +45,7 @@ from ray_ingest.datasets.read import (
     _modalities,
 )
 from ray_ingest.errors import ConfigError, IngestError
+from ray_ingest.redact import register
 from ray_ingest.twintar.dataset import DatasetReport, finish_dataset, prepare_output
 from ray_ingest.twintar.fsio import join_url
 from ray_ingest.twintar.layout import bucket_dir, pack_shards, shard_rel_path
@@ -162,6 +163,7 @@ def _plan_reshard(ds: ray.data.Dataset, modalities: Sequence[str], bucket_column
     narrow = ds.map_batches(
         _PlanColumns(tuple(modalities), bucket_column, max_shard_bytes is not None),
         batch_format="pyarrow", num_cpus=num_cpus)
+    narrow.context.raise_original_map_exception = True  # our one-line errors, not a wrapper
     tables = [t for t in narrow.iter_batches(batch_size=None, batch_format="pyarrow")
               if t.num_rows]
     if not tables:
@@ -313,6 +315,7 @@ class TwinTarsDatasink(Datasink):
         return "TwinTars"
 
     def write(self, blocks: Iterable[Any], ctx: Any) -> list[dict[str, Any]]:
+        register(self.storage_options)  # a write task's errors never show them
         results = []
         for block in blocks:
             table = BlockAccessor.for_block(block).to_arrow()
@@ -369,6 +372,9 @@ def _ingest_cause(exc: BaseException) -> IngestError | None:
             cur = cause if isinstance(cause, BaseException) else cur.__cause__
             continue
         if isinstance(cur, IngestError):
+            if cur.args and isinstance(cur.args[0], str) and "\n" in cur.args[0]:
+                # Ray Data appends retry advice on new lines; our messages are one line.
+                cur.args = (cur.args[0].split("\n", 1)[0], *cur.args[1:])
             return cur
         cur = cur.__cause__ or cur.__context__
     return None
@@ -435,6 +441,7 @@ def write_twin_tars(
         :class:`TwinWriteReport`: samples, shards, wdinfo URLs, bytes, shards written and kept.
     """
     so = dict(storage_options or {})
+    register(so)
     mods = _modalities(modalities, "write_twin_tars")
     if mods is None:
         raise ConfigError("write_twin_tars: modalities: expected the modality columns to "
@@ -478,6 +485,7 @@ def write_twin_tars(
     packed = assigned.groupby([_OUT_LEAF, _OUT_PATH], num_partitions=num_partitions).map_groups(
         _pack_shard, fn_kwargs={"modalities": mods, "extensions": exts},
         batch_format="pyarrow", num_cpus=num_cpus)
+    packed.context.raise_original_map_exception = True  # our one-line errors, not a wrapper
     sink = TwinTarsDatasink(path, mods, so, chunk_size=shard_size)
     remote_args: dict[str, Any] = {}
     if num_cpus is not None:

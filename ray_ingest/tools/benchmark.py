@@ -423,7 +423,9 @@ def start_ray():
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from ray_ingest.train.auth import secure_local_ray
+
+    secure_local_ray()  # its local Ray runs with token authentication
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     args = build_parser().parse_args(argv)
     BASELINE["resize"] = BASELINE_RESIZE[args.baseline_resize]

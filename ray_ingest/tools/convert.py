@@ -44,6 +44,7 @@ import numpy as np
 from ray_ingest.catalog.discovery import discover
 from ray_ingest.catalog.wdinfo import read_wdinfo
 from ray_ingest.errors import CatalogError, ConfigError, IngestError, UnsafeFormatError
+from ray_ingest.redact import options_repr, register
 from ray_ingest.tools.tasks import (
     Executor,
     LocalExecutor,
@@ -57,6 +58,7 @@ from ray_ingest.twintar.fsio import (
     write_file_atomic,
 )
 from ray_ingest.twintar.layout import WDINFO_NAME
+from ray_ingest.twintar.safepath import check_folder_name
 from ray_ingest.twintar.tario import (
     TarIndex,
     build_index,
@@ -236,7 +238,10 @@ def _ensure_index(url: str, so: Mapping[str, Any]) -> None:
 
 
 def _copy(src: str, dst: str, so: Mapping[str, Any]) -> None:
-    """Byte copy ``src`` -> ``dst.partial`` -> ``dst``, then the key index."""
+    """Byte copy ``src`` -> ``dst.partial`` -> ``dst``, then the key index. The source's
+    headers are walked first: a tar holding an unsafe member is refused, never copied."""
+    with remote.open_url(src, dict(so)) as f:
+        build_index(f, src)
     dst_fs, dst_path = _fs(partial_url(dst), so)
     parent = posixpath.dirname(dst_path)
     if parent:
@@ -310,9 +315,10 @@ class _ConvertGroup:
     """Converts a list of shards (picklable: an executor may run it as a Ray task)."""
 
     modality: str
-    storage_options: dict[str, Any]
+    storage_options: dict[str, Any] = attrs.field(repr=options_repr)
 
     def __call__(self, jobs: Sequence[ConvertJob]) -> list[ShardResult]:
+        register(self.storage_options)  # maybe a Ray task's process: errors never show them
         return [self.one(job) for job in jobs]
 
     def one(self, job: ConvertJob) -> ShardResult:
@@ -440,8 +446,10 @@ def convert_pickles(
         CatalogError, ConfigError, IngestError: bad input, named.
     """
     so = dict(storage_options or {})
+    register(so)
     if not modality or "/" in modality:
         raise ConfigError(f"modality: expected a folder name, got {modality!r}")
+    check_folder_name("modality", modality)
     if shards_per_task < 1:
         raise ConfigError(f"shards_per_task: expected >= 1, got {shards_per_task}")
     urls = discover(root, so)

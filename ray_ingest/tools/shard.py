@@ -7,8 +7,9 @@ Input: one subfolder per modality (any names), files keyed by stem::
 How it works:
 
 1. Scan each folder's top-level files. A stem counts in a folder when exactly one usable file
-   has it (hidden files, files without extension, several files per stem, unreadable entries
-   and files over ``max_file_size_mb`` are dropped and counted).
+   has it (hidden files, files without extension, several files per stem, unreadable entries,
+   links and special files, never followed, and files over ``max_file_size_mb`` are dropped
+   and counted). A modality folder that is a link is refused.
 2. Samples = the stems usable in **every** folder, sorted (or shuffled with ``seed``). Keys are
    the stems with ``.`` replaced by ``-`` (what readers would make of them anyway), optionally
    prefixed ``<dataset_name>__``; stems that collide after that are dropped.
@@ -36,6 +37,7 @@ import attrs
 import fsspec
 
 from ray_ingest.errors import ConfigError, IngestError
+from ray_ingest.redact import options_repr, register
 from ray_ingest.tools.tasks import Executor
 from ray_ingest.twintar.dataset import (
     DatasetReport,
@@ -68,8 +70,10 @@ BAD_KEY = "unusable key"
 COLLISION = "key collision"
 OTHER_FOLDER = "sample dropped in another folder"
 BEYOND_LIMIT = "beyond limit"
+#: A symbolic link, device, FIFO or socket: never read (a link can point anywhere).
+SPECIAL = "link or special file"
 REASONS = (NOT_EVERYWHERE, UNREADABLE, TOO_LARGE, NO_EXTENSION, HIDDEN, AMBIGUOUS, BAD_KEY,
-           COLLISION, OTHER_FOLDER, BEYOND_LIMIT)
+           COLLISION, OTHER_FOLDER, BEYOND_LIMIT, SPECIAL)
 
 _MB = 1024 * 1024
 
@@ -97,13 +101,14 @@ class _ShardWriters:
     """
 
     modalities: tuple[str, ...]
-    storage_options: dict[str, Any]
+    storage_options: dict[str, Any] = attrs.field(repr=options_repr)
     num_workers: int = 1
     progress: bool | None = False
 
     def __call__(self, jobs: Sequence[ShardJob]
                  ) -> tuple[list[ShardInfo], dict[str, dict[str, int]]]:
         so = self.storage_options
+        register(so)  # maybe a Ray task's process: its errors never show them
         drops = DatasetReport()
         lock = threading.Lock()
 
@@ -160,8 +165,11 @@ def _scan(
             bad[stem] = (AMBIGUOUS, len(entries))
             continue
         entry = entries[0]
+        if entry.get("islink") or entry.get("type") == "other":
+            bad[stem] = (SPECIAL, 1)  # link, device, FIFO, socket: never followed or read
+            continue
         if entry.get("type") != "file":
-            bad[stem] = (UNREADABLE, 1)  # broken link, socket, ...
+            bad[stem] = (UNREADABLE, 1)
             continue
         size = int(entry.get("size") or 0)
         if size > max_file_bytes:
@@ -240,6 +248,7 @@ def shard_folders(
         ConfigError: bad arguments, no modality folders, or no sample usable in every folder.
     """
     so = dict(storage_options or {})
+    register(so)
     if shard_size is not None and shard_size < 1:
         raise ConfigError(f"shard_size: expected >= 1, got {shard_size}")
     if shard_size is None and not max_shard_size_mb > 0:
@@ -262,8 +271,13 @@ def shard_folders(
         raise ConfigError(f"{input_dir}: input folder not found")
     protocol = fs.protocol[0] if isinstance(fs.protocol, (list, tuple)) else fs.protocol
     prefix = "" if protocol in ("file", "local") else f"{protocol}://"
+    entries = fs.ls(root, detail=True)
+    for e in entries:  # a linked modality folder could be anywhere: refused, not followed
+        if e.get("islink") and not _basename(e["name"]).startswith(".") and fs.isdir(e["name"]):
+            raise ConfigError(f"{input_dir}: {_basename(e['name'])} is a link to a folder; "
+                              "shard reads real folders only (a link can point anywhere)")
     folders = sorted(
-        _basename(e["name"]) for e in fs.ls(root, detail=True)
+        _basename(e["name"]) for e in entries
         if e.get("type") == "directory" and not _basename(e["name"]).startswith(".")
     )
     if not folders:

@@ -68,6 +68,27 @@ def parse_step_log(line: str) -> dict[str, Any] | None:
             "stages": json.loads(stages)}
 
 
+def job_config(cfg: Config, **extra: Any) -> dict[str, Any]:
+    """The ``train_loop_config`` of the job: the config with its storage options redacted (Ray
+    Train shows and exports this dict), the real ones sealed beside it (:mod:`ray_ingest.redact`:
+    they reach the workers inside Ray's transport and show nowhere), and ``extra``."""
+    from ray_ingest.redact import Sealed, redact_config
+
+    return {"cfg": redact_config(cfg.to_dict()),
+            "storage_options": Sealed(cfg.data.storage_options), **extra}
+
+
+def worker_config(config: dict[str, Any]) -> Config:
+    """The run's :class:`Config` in a worker, storage options unsealed (see :func:`job_config`)."""
+    from ray_ingest.config import config_from_dict
+
+    doc = config["cfg"]
+    sealed = config.get("storage_options")
+    if sealed is not None:
+        doc = {**doc, "data": {**doc["data"], "storage_options": sealed.reveal()}}
+    return config_from_dict(doc)
+
+
 def _say(line: str) -> None:
     """One line on the worker's real stdout. Ray Train patches ``print`` to log through the
     root logger *and*, because Ray replaced ``sys.stdout`` in its workers, to print too: every
@@ -83,7 +104,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch
 
-    from ray_ingest.config import config_from_dict
     from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.topology import Topology
 
@@ -91,7 +111,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         from ray_ingest.train.quiet import quiet_worker
 
         quiet_worker()
-    cfg = config_from_dict(config["cfg"])
+    cfg = worker_config(config)
     catalog = ray.get(config["catalog_ref"]) if config.get("catalog_ref") is not None else None
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -313,8 +333,12 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    ray_module = sys.modules.get("ray")
+    if not os.environ.get("RAY_ADDRESS") and not (ray_module and ray_module.is_initialized()):
+        from ray_ingest.train.auth import secure_local_ray
+
+        secure_local_ray()  # the embedded Ray below runs with token authentication
     from ray_ingest.errors import IngestError
 
     try:
@@ -355,16 +379,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.fail_at_step is not None:
         fail_marker = os.path.join(cfg.train.storage_path, f"{cfg.train.name}.failed_once")
         os.makedirs(cfg.train.storage_path, exist_ok=True)
-    train_config = {
-        "cfg": cfg.to_dict(),
-        "catalog_ref": ray.put(catalog),  # parsed once on the driver, shared by every rank
-        "audit_dir": os.path.abspath(args.audit_dir) if args.audit_dir else None,
-        "fail_at_step": args.fail_at_step,
-        "fail_marker": fail_marker,
-        "fail_rank": args.fail_rank,
-        "fail_hard": args.fail_hard,
-        "quiet": not args.verbose,
-    }
+    train_config = job_config(
+        cfg,
+        catalog_ref=ray.put(catalog),  # parsed once on the driver, shared by every rank
+        audit_dir=os.path.abspath(args.audit_dir) if args.audit_dir else None,
+        fail_at_step=args.fail_at_step,
+        fail_marker=fail_marker,
+        fail_rank=args.fail_rank,
+        fail_hard=args.fail_hard,
+        quiet=not args.verbose,
+    )
     scaling_kw: dict[str, Any] = {}
     if cfg.train.label_selector:
         scaling_kw["label_selector"] = dict(cfg.train.label_selector)
@@ -384,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = trainer.fit()
     if result.error is not None:
-        print(f"train.py: training failed: {result.error}", file=sys.stderr)
+        from ray_ingest.redact import scrub
+
+        print(f"train.py: training failed: {scrub(str(result.error))}", file=sys.stderr)
         return 1
     print(f"[train] result: {json.dumps(result.metrics, default=str)}", flush=True)
     return 0

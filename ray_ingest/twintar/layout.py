@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 
 from ray_ingest.errors import ConfigError
+from ray_ingest.twintar.safepath import name_problem
 from ray_ingest.twintar.tario import split_name
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,10 @@ def check_key(key: str) -> None:
     """Reject keys that readers would see differently (see
     :func:`ray_ingest.twintar.tario.split_name`)."""
     parsed = split_name(f"{key}.x") if isinstance(key, str) else None
-    if parsed is None or parsed[0] != key or "." in key:
+    if parsed is None or parsed[0] != key or "." in key or name_problem(key) is not None:
         raise ConfigError(
             f"sample key: expected a non-empty name without '.' that is not a __metadata__ "
-            f"entry, got {key!r}"
+            f"entry, an absolute path or holds a NUL byte, got {key!r}"
         )
 
 

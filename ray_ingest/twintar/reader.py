@@ -21,23 +21,14 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import attrs
 
 from ray_ingest.errors import IngestError, TarFormatError
+from ray_ingest.redact import options_repr, register
 from ray_ingest.twintar import remote
-from ray_ingest.twintar.tario import (
-    Member,
-    TarIndex,
-    index_url,
-    iter_members,
-)
+from ray_ingest.twintar.safepath import check_folder_name, check_rel_path
+from ray_ingest.twintar.tario import Member, TarIndex, index_url, iter_members
+from ray_ingest.twintar.twin import DEFAULT_READ_AHEAD, AlignStats, check_align, expand
 
 if TYPE_CHECKING:  # a shard of the catalog (the layer above) is only read here
     from ray_ingest.catalog.shard import Shard
-
-from ray_ingest.twintar.twin import (
-    DEFAULT_READ_AHEAD,
-    AlignStats,
-    check_align,
-    expand,
-)
 
 
 @attrs.frozen
@@ -59,14 +50,17 @@ class ReadOptions:
     #: Members whose tar header declares more bytes are never read (``decode.max_member_bytes``):
     #: an error, or a recorded skip under ``on_error="skip"``. None: no limit.
     max_member_bytes: int | None = None
-    #: fsspec storage options (``token``, ``project``, …).
-    storage_options: dict[str, Any] = attrs.field(factory=dict)
+    #: fsspec storage options (``token``, ``project``, …); redacted in its repr.
+    storage_options: dict[str, Any] = attrs.field(factory=dict, repr=options_repr)
     #: Retry policy for remote reads (None: remote's default).
     retry: Any = None
 
     @align.validator
     def _check(self, attribute: attrs.Attribute, value: str) -> None:
         check_align(value)
+
+    def __attrs_post_init__(self) -> None:
+        register(self.storage_options)
 
 
 def read_options(cfg: Any) -> ReadOptions:
@@ -204,6 +198,10 @@ def read_shard(
     member over ``opts.max_member_bytes``, a key beyond the merge look-ahead) comes as a row
     whose :data:`~ray_ingest.twintar.twin.ERROR` holds the error, instead of raising.
     """
+    register(opts.storage_options)  # options unpickled in a Ray task were never registered
+    check_rel_path(f"shard {shard.path}", shard.path)  # catalogs refuse these; TarSample may not
+    for m in shard.modalities:
+        check_folder_name(f"shard {shard.path}: modality", m)
     stack = contextlib.ExitStack()
     with stack:
         streams: dict[str, Iterator[Member]] = {}

@@ -44,6 +44,7 @@ import fsspec
 
 from ray_ingest import metrics
 from ray_ingest.errors import ConfigError, IngestError
+from ray_ingest.redact import register
 
 log = logging.getLogger(__name__)
 
@@ -595,6 +596,7 @@ def open_url(
         RemoteReadError: Opening failed ``retry.attempts`` times in a row.
     """
     policy = DEFAULT_RETRY if retry is None else retry
+    register(storage_options)  # an error or a retry log line never shows them
     if offset < 0:
         raise ConfigError(f"open_url offset: expected a byte offset >= 0, got {offset!r}")
     if buffer_size < 1:

@@ -1,10 +1,11 @@
 """Tar member streaming straight from a file object: no extraction, no ``tarfile`` overhead.
 
-A small ustar/GNU/pax header walker. It yields regular files only (directories, links and
-metadata entries are passed over), checks every header checksum, and can skip the first N
-members cheaply: ``seek`` past payloads when the file is seekable, read-and-discard otherwise,
-never decode. A per-shard key index (``<tar>.idx.json``, written by the sharder) lets readers
-jump straight to member N.
+A small ustar/GNU/pax header walker. It yields regular files only (directories and metadata
+entries are passed over; a link, a device or a name that could leave its folder is refused
+with :class:`~ray_ingest.errors.UnsafeMemberError`, see :mod:`ray_ingest.twintar.safepath`), checks
+every header checksum, and can skip the first N members cheaply: ``seek`` past payloads when
+the file is seekable, read-and-discard otherwise, never decode. A per-shard key index
+(``<tar>.idx.json``, written by the sharder) lets readers jump straight to member N.
 
 Key rules (PiD's, from webdataset + ``process_sample``), see :func:`split_name`:
 
@@ -29,6 +30,7 @@ from typing import Any, BinaryIO
 import attrs
 
 from ray_ingest.errors import TarFormatError
+from ray_ingest.twintar.safepath import SPECIAL_TYPES, check_member
 
 BLOCK = 512
 INDEX_SUFFIX = ".idx.json"
@@ -166,6 +168,8 @@ def iter_members(
 
     Raises:
         TarFormatError: truncated stream, bad checksum or malformed header, naming ``source``.
+        UnsafeMemberError: an entry is a link or a device, or its name holds a NUL byte, is
+            absolute or climbs with ``..`` (names ``source`` and the member).
     """
     try:
         seekable = bool(f.seekable())
@@ -204,7 +208,8 @@ def iter_members(
         elif "path" in pax:
             name = pax["path"]
         else:
-            name = header[0:100].split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            # bytes after the NUL that ends the name stay in it (and get it refused)
+            name = header[0:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
             if header[257:262] == b"ustar":
                 prefix = header[345:500].split(b"\0", 1)[0]
                 if prefix:
@@ -214,6 +219,8 @@ def iter_members(
             padded = (size + BLOCK - 1) // BLOCK * BLOCK
         member_offset = header_start
         long_name, pax, header_start = None, {}, None
+        if typeflag in SPECIAL_TYPES or "\0" in name or name[:1] == "/" or ".." in name:
+            check_member(source, name, typeflag, member_offset)  # refused unless ".." is benign
         if typeflag not in _REGULAR:
             _skip(f, padded, seekable, source, f"member {name!r}", pos)
             pos += padded

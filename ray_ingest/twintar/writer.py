@@ -40,6 +40,11 @@ from ray_ingest.twintar.fsio import (
     write_file_atomic,
 )
 from ray_ingest.twintar.layout import check_key
+from ray_ingest.twintar.safepath import (
+    check_folder_name,
+    check_member_name,
+    check_rel_path,
+)
 from ray_ingest.twintar.tario import BLOCK, TarIndex, index_url, split_name
 
 log = logging.getLogger(__name__)
@@ -158,6 +163,9 @@ class ShardWriter:
             raise ConfigError(f"modalities: expected distinct names, got {list(modalities)}")
         if not path.endswith(".tar") or path.startswith("/"):
             raise ConfigError(f"shard path: expected a relative '*.tar' path, got {path!r}")
+        check_rel_path(f"shard {path}", path)  # never a tar outside <leaf>/<modality>/
+        for m in modalities:
+            check_folder_name(f"shard {path}: modality", m)
         self.leaf = leaf
         self.path = path
         self.modalities = tuple(modalities)
@@ -200,6 +208,8 @@ class ShardWriter:
         """
         if not self._streams:
             raise ConfigError(f"shard {self.path}: writer is not open")
+        if isinstance(key, str):
+            check_member_name(f"shard {self.path}: sample key", key)
         check_key(key)
         if key in self._keys:
             raise ConfigError(f"shard {self.path}: duplicate sample key {key!r}")
@@ -227,6 +237,7 @@ class ShardWriter:
                     f"sample {key!r}: {m} member name {name!r} does not give key {key!r} "
                     f"and extension {ext!r}"
                 )
+            check_member_name(f"shard {self.path}", name)
             names[m] = name
         self._keys.add(key)
         for m in self.modalities:

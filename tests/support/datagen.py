@@ -173,7 +173,7 @@ def write_raw_folders(root: Path, extra_anomalies: bool = True) -> Path:
                 (root / d / f"{stem}.{ext}").write_bytes(b"3")
         for d, ext in (("image", "jpg"), ("caption", "json")):
             (root / d / f"broken.{ext}").write_bytes(b"4")
-        os.symlink(root / "nowhere", root / "umt5" / "broken.npy")        # unreadable
+        os.symlink(root / "nowhere", root / "umt5" / "broken.npy")        # a link: never read
         (root / "notes.txt").write_text("top-level files are ignored")
         (root / "image" / "subdir").mkdir()                               # ignored
     return root

@@ -19,6 +19,7 @@ from ray_ingest.tools.shard import (
     NO_EXTENSION,
     NOT_EVERYWHERE,
     OTHER_FOLDER,
+    SPECIAL,
     TOO_LARGE,
     UNREADABLE,
     shard_folders,
@@ -52,7 +53,7 @@ def test_every_sample_once_byte_identical(tmp_path):
     assert report.dropped == {
         "image": {NOT_EVERYWHERE: 1, OTHER_FOLDER: 2, COLLISION: 2},
         "caption": {NOT_EVERYWHERE: 1, HIDDEN: 1, OTHER_FOLDER: 2, COLLISION: 2},
-        "umt5": {NO_EXTENSION: 1, AMBIGUOUS: 2, UNREADABLE: 1, COLLISION: 2},
+        "umt5": {NO_EXTENSION: 1, AMBIGUOUS: 2, SPECIAL: 1, COLLISION: 2},
     }
     # every input file is accounted for: written or dropped
     for m in ("image", "caption", "umt5"):
@@ -117,7 +118,7 @@ def test_aspect_buckets(tmp_path):
     for shard in cat.shards:
         keys = [r[KEY] for r in read_shard(shard)]
         assert keys == want[shard.bucket]
-    assert report.dropped["umt5"][UNREADABLE] == 1
+    assert report.dropped["umt5"][SPECIAL] == 1
 
 
 def test_unreadable_image_header_is_dropped_when_classifying(tmp_path):
