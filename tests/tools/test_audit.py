@@ -19,11 +19,11 @@ from ray_ingest.tools.audit import (
     INCOMPLETE,
     VIOLATION,
     audit,
-    next_attempt,
     read_ledgers,
     summary_line,
 )
 from ray_ingest.tools.synth import synth_dataset
+from ray_ingest.train.ledger import next_attempt
 
 
 @pytest.fixture(scope="module")
