@@ -34,6 +34,7 @@ import collections
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -119,6 +120,13 @@ def _stat(pid: int) -> tuple[int, float, int] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK, int(fields[21]) * PAGE
 
 
+def _machine_busy() -> float:
+    """CPU seconds the machine spent busy since boot (every process, not only ours)."""
+    with open("/proc/stat") as f:
+        t = [int(x) for x in f.readline().split()[1:]]
+    return (sum(t[:8]) - t[3] - t[4]) / TICK  # all but idle and iowait
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -182,6 +190,8 @@ class ProcSampler:
         self.cpu: dict[int, float] = {}
         self.kind: dict[int, str] = {}
         self.peak_rss: dict[int, int] = {}
+        self.rss: dict[int, int] = {}
+        self.live: set[int] = set()
         self.peak_pss: dict[int, int] = {}
         self.marks: dict[str, dict[int, float]] = {}
         #: CPU seconds this sampler's own thread used (taken off the driver's).
@@ -199,7 +209,7 @@ class ProcSampler:
         self._stop.set()
         self._thread.join()
 
-    def _descendants(self) -> dict[int, tuple[float, int]]:
+    def _descendants(self) -> dict[int, tuple[int, float, int]]:
         table: dict[int, tuple[int, float, int]] = {}
         for name in os.listdir("/proc"):
             if name.isdigit():
@@ -213,7 +223,7 @@ class ProcSampler:
         while todo:
             pid = todo.pop()
             if pid in table:
-                out[pid] = table[pid][1:]
+                out[pid] = table[pid]
             todo.extend(children.get(pid, ()))
         return out
 
@@ -221,12 +231,18 @@ class ProcSampler:
         t0 = time.thread_time()
         procs = self._descendants()
         with self._lock:
-            for pid, (cpu, rss) in procs.items():
+            self.live = set(procs)
+            for pid, (ppid, cpu, rss) in procs.items():
                 self.cpu[pid] = cpu
+                self.rss[pid] = rss
                 self.peak_rss[pid] = max(self.peak_rss.get(pid, 0), rss)
                 kind = self.kind.get(pid)
-                if kind is None or kind in TRANSIENT or kind.startswith("other:"):
-                    self.kind[pid] = kind_of(_cmdline(pid), pid, self.driver)
+                if kind is None or kind in TRANSIENT or kind.startswith("other:") or (
+                        kind == "raylet" and self.kind.get(ppid) == "raylet"):
+                    kind = kind_of(_cmdline(pid), pid, self.driver)
+                    if kind == "raylet" and self.kind.get(ppid) == "raylet":
+                        kind = "starting_worker"  # forked by its raylet, not yet exec'd
+                    self.kind[pid] = kind
                 if pss:
                     p = _pss(pid)
                     if p is not None:
@@ -242,14 +258,18 @@ class ProcSampler:
     def mark(self, name: str) -> None:
         self.sample(pss=True)
         with self._lock:
-            self.marks[name] = {**self.cpu, -1: self.self_cpu}
+            self.marks[name] = {**self.cpu, -1: self.self_cpu, -2: _machine_busy()}
+
+    def machine_between(self, a: str, b: str) -> float:
+        """CPU seconds the whole machine was busy between two marks (everyone's processes)."""
+        return self.marks[b][-2] - self.marks[a][-2]
 
     def cpu_between(self, a: str, b: str) -> dict[str, float]:
         """CPU seconds per kind between two marks (a process's last sample if it ended)."""
         m0, m1 = self.marks[a], self.marks[b]
         out: dict[str, float] = collections.defaultdict(float)
         for pid, cpu in m1.items():
-            if pid == -1:
+            if pid < 0:
                 continue
             out[self.kind.get(pid, "?")] += cpu - m0.get(pid, 0.0)
         # processes that ended between the marks: their last sample
@@ -276,9 +296,103 @@ class ProcSampler:
                     "pss_max_mb": round(max(p for _, p in v) / mb)}
                 for k, v in sorted(by.items())}
 
+    def rss_mb(self, kinds: Sequence[str]) -> dict[str, int]:
+        """Current RSS (MB) of the processes of ``kinds`` (the latest sample; summed per kind)."""
+        out: dict[str, int] = {}
+        with self._lock:
+            for pid, rss in self.rss.items():
+                k = self.kind.get(pid)
+                if k in kinds and pid in self.live:
+                    out[k] = out.get(k, 0) + rss // 1024**2
+        return out
+
     def pids_since(self, mark: str) -> set[int]:
         with self._lock:
             return set(self.cpu) - set(self.marks[mark])
+
+
+# --- what the GCS was asked: its own per-handler counters ----------------------------------
+
+_DUMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*\(gcs_server\) "
+                   r"gcs_server\.cc:\d+: (.+?) Event stats:")
+_HANDLER = re.compile(r"^\t(\S+) - (\d+) total \(\d+ active.*?\), Execution time: mean = "
+                      r"[-\d.]+ms, total = ([-\d.]+)ms")
+
+
+class GcsEventStats:
+    """The GCS's cumulative per-handler counts and execution times, which it prints into
+    ``gcs_server.out`` every ``event_stats_print_interval_ms`` (the bench sets a few seconds).
+
+    :meth:`snapshot` waits for the first dump after the call, so two snapshots bracket a
+    phase (plus up to one interval of whatever followed it).
+    """
+
+    def __init__(self, logs_dir: str, interval_s: float):
+        self.path = os.path.join(logs_dir, "gcs_server.out")
+        self.interval_s = interval_s
+        self._offset = 0
+        self._partial = ""
+        #: (dump time, {section: {handler: (count, total execution ms)}}) of the last dump.
+        self.latest: tuple[float, dict[str, dict[str, tuple[int, float]]]] = (0.0, {})
+        self._section: str | None = None
+
+    def _read(self) -> None:
+        import datetime
+
+        try:
+            with open(self.path) as f:
+                f.seek(self._offset)
+                text = f.read()
+                self._offset = f.tell()
+        except OSError:
+            return
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()  # an unfinished last line
+        t, sections = self.latest
+        for line in lines:
+            m = _DUMP.match(line)
+            if m:
+                when = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+                when += int(m.group(2)) / 1000
+                if when > t + 0.5:  # a new dump: its sections follow
+                    t, sections = when, {}
+                self._section = m.group(3)
+                sections[self._section] = {}
+                continue
+            h = _HANDLER.match(line)
+            if h and self._section is not None:
+                sections[self._section][h.group(1)] = (int(h.group(2)), float(h.group(3)))
+        self.latest = (t, sections)
+
+    def snapshot(self, timeout_s: float | None = None) -> dict[str, tuple[int, float]]:
+        """Counters of the first complete dump after now: {"section/handler": (count, ms)}."""
+        now = time.time()
+        deadline = now + (timeout_s or 3 * self.interval_s + 5)
+        while True:
+            self._read()
+            t, sections = self.latest
+            # a dump is complete once a later one started or a moment after it was written
+            if t > now and time.time() > t + 0.5:
+                self._read()
+                t, sections = self.latest
+                return {f"{sec}/{name}": v for sec, hs in sections.items()
+                        for name, v in hs.items()}
+            if time.time() > deadline:
+                return {}
+            time.sleep(0.2)
+
+
+def gcs_delta(a: dict[str, tuple[int, float]], b: dict[str, tuple[int, float]],
+              top: int = 14) -> dict[str, dict[str, float]]:
+    """The handlers called most between two snapshots: calls and execution ms (for gRPC
+    handlers the ``.HandleRequestImpl`` entries, the GCS's own work)."""
+    rows = {}
+    for name, (n1, ms1) in b.items():
+        n0, ms0 = a.get(name, (0, 0.0))
+        if name.endswith(".HandleRequestImpl") or ".grpc_" not in name:
+            rows[name.split("/", 1)[1].removesuffix(".HandleRequestImpl")] = (n1 - n0, ms1 - ms0)
+    best = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
+    return {k: {"calls": n, "ms": round(ms, 1)} for k, (n, ms) in best if n > 0}
 
 
 # --- the simulated rank -------------------------------------------------------------------------
@@ -445,18 +559,23 @@ def actors_phase(args: argparse.Namespace, remote: Any, data: str, catalog: Any,
             "ttfb_s": round(res["ttfb_s"], 2), "elapsed_s": round(res["elapsed_s"], 2),
             "samples_per_s": round(whole, 1), "steady_samples_per_s": round(steady, 1),
             "decoders_seen": res["decoders_seen"], "decode_nodes": len(res["decode_nodes"]),
-            "decode_compute": res["decode_compute"], "exact": bad is None, "mismatch": bad}
+            "decode_compute": res["decode_compute"], "exact": bad is None, "mismatch": bad,
+            "loadavg_1m": os.getloadavg()[0]}
 
 
 def ranks_phase(args: argparse.Namespace, remote: Any, data: str, catalog: Any, cat_ref: Any,
-                world: int, sampler: ProcSampler, tag: str,
-                max_batches: int | None = None, keep_batches: bool = False) -> dict:
+                world: int, sampler: ProcSampler, tag: str, per_process: int | None = None,
+                max_batches: int | None = None, keep_batches: bool = False,
+                gcs: GcsEventStats | None = None) -> dict:
     import ray
 
     cpu_limit = args.rank_cpu_limit if args.rank_cpu_limit > 0 else None
     doc = loader_doc(args, data, args.rank_compute, args.rank_pool, cpu_limit)
-    k = max(1, args.ranks_per_process)
+    k = max(1, per_process or args.ranks_per_process)
+    g0 = gcs.snapshot() if gcs is not None else {}
+    t_g0 = time.time()
     sampler.mark(f"{tag}:create")
+    singletons_before = sampler.rss_mb(SINGLETON_KINDS)
     actors = [remote.options(num_cpus=args.rank_cpus * len(range(r, min(r + k, world))),
                              label_selector={"pool": "gpu-train"})
               .remote(doc, cat_ref, world, list(range(r, min(r + k, world))))
@@ -473,6 +592,8 @@ def ranks_phase(args: argparse.Namespace, remote: Any, data: str, catalog: Any, 
     sampler.mark(f"{tag}:done")
     rank_pids = {pid for pid, _ in ready}
     new_pids = sampler.pids_since(f"{tag}:create")
+    g1 = gcs.snapshot() if gcs is not None else {}
+    t_g1 = time.time()
     for a in actors:
         ray.kill(a)
     samples = sum(r["samples"] for r in results)
@@ -490,6 +611,8 @@ def ranks_phase(args: argparse.Namespace, remote: Any, data: str, catalog: Any, 
     stream = sampler.cpu_between(f"{tag}:ready", f"{tag}:done")
     whole = sampler.cpu_between(f"{tag}:create", f"{tag}:done")
     mem_pids = new_pids | rank_pids
+    ours = sum(stream.values()) + sampler.marks[f"{tag}:done"][-1] - sampler.marks[
+        f"{tag}:ready"][-1]
     return {
         "ranks": world, "ranks_per_process": k, "processes": len(actors), "samples": samples,
         "exact_ranks": exact, "mismatches": mismatches, "errors": errors,
@@ -508,6 +631,16 @@ def ranks_phase(args: argparse.Namespace, remote: Any, data: str, catalog: Any, 
         "cpu_s_per_s_stream": {k: round(v / (t1 - t0), 4) for k, v in stream.items()
                                if k in SINGLETON_KINDS},
         "memory": sampler.memory(mem_pids),
+        "singletons_rss_mb": {"before": singletons_before,
+                              "after": sampler.rss_mb(SINGLETON_KINDS)},
+        # what else ran: the machine's busy CPU-s over the stream, this cluster's share of it
+        "machine_busy_cores_stream": round(
+            sampler.machine_between(f"{tag}:ready", f"{tag}:done") / (t1 - t0), 2),
+        "cluster_busy_cores_stream": round(ours / (t1 - t0), 2),
+        "loadavg_1m": os.getloadavg()[0],
+        # the GCS's handlers over the phase (start-up included, plus up to one dump interval)
+        "gcs_handlers": ({"window_s": round(t_g1 - t_g0, 1), **gcs_delta(g0, g1)}
+                         if g0 and g1 else None),
         **({"delivered": {r["rank"]: r["batches"] for r in results}} if keep_batches else {}),
     }
 
@@ -565,10 +698,24 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _specs(text: str) -> list[str]:
+    """``R`` or ``R/k`` (k ranks per process) items; checked here, parsed by :func:`spec`."""
+    out = [x for x in text.split(",") if x]
+    for x in out:
+        spec(x, 1)
+    return out
+
+
+def spec(text: str, default_k: int) -> tuple[int, int]:
+    world, _, k = text.partition("/")
+    return int(world), int(k) if k else default_k
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--actors", type=_ints, default=[1, 2, 4, 8], help="decoders, part 1")
-    p.add_argument("--ranks", type=_ints, default=[16, 64], help="simulated ranks, part 2")
+    p.add_argument("--ranks", type=_specs, default=["16", "64", "16/1"],
+                   help="simulated ranks of part 2: R or R/k (k ranks per process)")
     p.add_argument("--runs", type=int, default=1, help="interleaved runs (medians)")
     p.add_argument("--compute", default="actors", help="decode.compute of part 1")
     p.add_argument("--rank-compute", default="tasks", help="decode.compute of part 2")
@@ -584,7 +731,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="simulated ranks sharing one actor process (memory: see SimRanks)")
     p.add_argument("--rank-cpu-limit", type=float, default=0.0,
                    help="loader.cpu_limit per rank (0: the loader's default share)")
-    p.add_argument("--sim-cost-s", type=float, default=0.02, help="decode.sim_cost_s")
+    p.add_argument("--sim-cost-s", type=float, default=0.05, help="decode.sim_cost_s")
     p.add_argument("--jitter", type=float, default=0.2, help="decode.sim_cost_jitter")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--block-rows", type=int, default=16)
@@ -596,7 +743,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="no unrecorded rank phase before the first run")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--idle-s", type=float, default=5.0)
+    p.add_argument("--idle-s", type=float, default=10.0)
+    p.add_argument("--gcs-stats-interval-s", type=float, default=3.0,
+                   help="how often the GCS prints its handler counters")
     p.add_argument("--object-store-mb", type=int, default=128, help="per node")
     p.add_argument("--workdir", default=None, help="datasets (default: a temporary folder)")
     p.add_argument("--json-out", default=None)
@@ -617,12 +766,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_n = max(args.actors, default=1)
     datasets = {"actors": make_data(tmp, args.samples_per_decoder * max_n, args.shard_size,
                                     args.seed)}
-    for world in args.ranks:
+    for world in {spec(x, 1)[0] for x in args.ranks}:
         datasets[world] = make_data(tmp, world * args.batches_per_rank * args.batch,
                                     args.shard_size, args.seed)
     report: dict[str, Any] = {"args": vars(args), "runs": []}
     with ProcSampler() as sampler, loopback():
-        cluster = LoopbackCluster()
+        cluster = LoopbackCluster(system_config={
+            "event_stats_print_interval_ms": int(args.gcs_stats_interval_s * 1000)})
+        gcs = GcsEventStats(cluster.head.node.get_logs_dir_path(), args.gcs_stats_interval_s)
         try:
             for _ in range(args.decode_nodes):
                 cluster.add("decode", args.decode_cpus, args.object_store_mb * MB, wait=False)
@@ -638,14 +789,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             warm_up()
             _wait_for_singletons()
+            g0, t_g0 = gcs.snapshot(), time.time()
             report["idle_cpu_s_per_s"] = idle_rates(sampler, args.idle_s)
+            g1 = gcs.snapshot()
+            report["idle_gcs_handlers"] = {"window_s": round(time.time() - t_g0, 1),
+                                           **gcs_delta(g0, g1)}
             print(f"idle CPU-s/s: {report['idle_cpu_s_per_s']}", flush=True)
             remote = ray.remote(SimRanks)
             catalogs = {k: load_catalog([v]) for k, v in datasets.items()}
             refs = {k: ray.put(c) for k, c in catalogs.items()}
             if args.ranks and args.warmup:
                 # the decode workers of the ranks' tasks start once per job: not in a figure
-                w = min(args.ranks)
+                w = min(spec(x, 1)[0] for x in args.ranks)
                 r = ranks_phase(args, remote, datasets[w], catalogs[w], refs[w], w, sampler,
                                 "warmup", max_batches=1)
                 print(f"warm-up ranks {w}: exact {r['exact_ranks']}, {r['stream_s']} s",
@@ -659,10 +814,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      refs["actors"], n)
                     print(f"run {run} decoders {n}: {json.dumps(r)}", flush=True)
                     rec["actors"].append(r)
-                for world in (args.ranks if run % 2 == 0 else args.ranks[::-1]):
+                for item in (args.ranks if run % 2 == 0 else args.ranks[::-1]):
+                    world, k = spec(item, args.ranks_per_process)
                     r = ranks_phase(args, remote, datasets[world], catalogs[world], refs[world],
-                                    world, sampler, f"r{run}w{world}")
-                    print(f"run {run} ranks {world}: {json.dumps(r)}", flush=True)
+                                    world, sampler, f"r{run}w{world}k{k}", per_process=k,
+                                    gcs=gcs)
+                    print(f"run {run} ranks {world}/{k}: {json.dumps(r)}", flush=True)
                     rec["ranks"].append(r)
                 report["runs"].append(rec)
         finally:
@@ -690,26 +847,37 @@ def summarize(report: dict) -> dict:
     if base:
         for v in out["actors"].values():
             v["ratio_to_1"] = round(v["steady_samples_per_s"] / base["steady_samples_per_s"], 2)
-    for world in report["args"]["ranks"]:
-        rows = [r for rec in runs for r in rec["ranks"] if r["ranks"] == world]
-        med = {k: statistics.median(r["cpu_ms_per_sample_stream"][k] for r in rows)
-               for k in rows[0]["cpu_ms_per_sample_stream"]}
-        medw = {k: statistics.median(r["cpu_ms_per_sample_with_start"][k] for r in rows)
-                for k in rows[0]["cpu_ms_per_sample_with_start"]}
-        out["ranks"][world] = {
+    default_k = report["args"]["ranks_per_process"]
+    keys = {}
+    for item in report["args"]["ranks"]:
+        world, k = spec(item, default_k)
+        keys[(world, k)] = f"{world}/{k}"
+        rows = [r for rec in runs for r in rec["ranks"]
+                if (r["ranks"], r["ranks_per_process"]) == (world, k)]
+        med = {m: statistics.median(r["cpu_ms_per_sample_stream"][m] for r in rows)
+               for m in rows[0]["cpu_ms_per_sample_stream"]}
+        medw = {m: statistics.median(r["cpu_ms_per_sample_with_start"][m] for r in rows)
+                for m in rows[0]["cpu_ms_per_sample_with_start"]}
+        rate = {m: statistics.median(r["cpu_s_per_s_stream"].get(m, 0.0) for r in rows)
+                for m in SINGLETON_KINDS}
+        out["ranks"][f"{world}/{k}"] = {
+            "ranks": world, "ranks_per_process": k,
             "all_exact": all(r["exact_ranks"] == world for r in rows),
             "samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
             "errors": sum(len(r["errors"]) for r in rows),
             "ttfb_median_s": statistics.median(r["ttfb_s"]["median"] for r in rows),
             "ttfb_max_s": statistics.median(r["ttfb_s"]["max"] for r in rows),
             "cpu_ms_per_sample_stream": med, "cpu_ms_per_sample_with_start": medw,
-            "runs": len(rows)}
-    worlds = report["args"]["ranks"]
-    if len(worlds) >= 2:
-        lo, hi = out["ranks"][min(worlds)], out["ranks"][max(worlds)]
+            "cpu_s_per_s_stream": rate, "runs": len(rows)}
+    # the ratios between the smallest and the largest world of the same packing
+    for k in sorted({k for _, k in keys}):
+        worlds = sorted(w for w, kk in keys if kk == k)
+        if len(worlds) < 2:
+            continue
+        lo, hi = out["ranks"][keys[(worlds[0], k)]], out["ranks"][keys[(worlds[-1], k)]]
         for key in ("cpu_ms_per_sample_stream", "cpu_ms_per_sample_with_start"):
             a, b = lo[key]["driver+gcs"], hi[key]["driver+gcs"]
-            out[f"driver+gcs ratio {max(worlds)}/{min(worlds)} ({key})"] = (
+            out[f"driver+gcs ratio {worlds[-1]}/{worlds[0]} ranks, {k} per process ({key})"] = (
                 round(b / a, 2) if a else None)
     return out
 
@@ -720,12 +888,14 @@ def print_summary(report: dict) -> None:
     for n, v in s["actors"].items():
         print(f"{n:8}  {v['steady_samples_per_s']:16.1f}  {v['samples_per_s']:20.1f}  "
               f"{v.get('ratio_to_1', float('nan')):5.2f}  {v['all_exact']}")
-    print("\nranks  exact  samples/s  ttfb med/max s   driver+gcs ms/sample (stream | +start)")
+    print("\nranks/k  exact  samples/s  ttfb med/max s  CPU ms/sample in the stream (+start-up): "
+          "driver  gcs  Ray Data singletons  raylets")
     for w, v in s["ranks"].items():
-        print(f"{w:5}  {str(v['all_exact']):5}  {v['samples_per_s']:9.1f}  "
-              f"{v['ttfb_median_s']:6.2f}/{v['ttfb_max_s']:6.2f}   "
-              f"{v['cpu_ms_per_sample_stream']['driver+gcs']:.4f} | "
-              f"{v['cpu_ms_per_sample_with_start']['driver+gcs']:.4f}")
+        a, b = v["cpu_ms_per_sample_stream"], v["cpu_ms_per_sample_with_start"]
+        print(f"{w:7}  {str(v['all_exact']):5}  {v['samples_per_s']:9.1f}  "
+              f"{v['ttfb_median_s']:6.2f}/{v['ttfb_max_s']:6.2f}  "
+              + "  ".join(f"{a[m]:.3f} ({b[m]:.3f})" for m in
+                          ("driver", "gcs_server", "ray_data_singletons", "raylet")))
     for k, v in s.items():
         if k.startswith("driver+gcs ratio"):
             print(f"{k}: {v}")

@@ -168,3 +168,41 @@ def test_simulated_ranks_get_their_planned_batches(small_cluster, tmp_path, comp
     assert r["cpu_s_with_start"].get("raylet", 0) > 0
     assert r["memory"]["SimRanks"]["n"] == 2
     assert r["ttfb_s"]["max"] >= r["ttfb_s"]["min"] > 0
+
+
+GCS_LOG = """[2026-12-04 16:01:34,147 I 43 43] (gcs_server) gcs_server.cc:1322: Main service Event stats:
+
+
+Global stats: 21722 total (27 active)
+Event stats:
+\tHealthCheck - 8784 total (0 active), Execution time: mean = 0.01ms, total = 108.20ms, Queueing time: mean = 0.59ms
+\tActorInfoGcsService.grpc_server.GetNamedActorInfo.HandleRequestImpl - 197 total (0 active), Execution time: mean = 0.24ms, total = 46.59ms, Queueing time: mean = 0.79ms
+\tActorInfoGcsService.grpc_server.GetNamedActorInfo - 197 total (0 active), Execution time: mean = 1.98ms, total = 389.75ms, Queueing time: mean = 0.00ms
+[2026-12-04 16:01:34,148 I 43 43] (gcs_server) gcs_server.cc:1326: pubsub_io_context Event stats:
+Event stats:
+\tPublisher.CheckDeadSubscribers - 10 total (1 active), Execution time: mean = 0.01ms, total = 0.10ms, Queueing time: mean = 0.01ms
+"""  # noqa: E501
+
+
+def test_gcs_event_stats_are_parsed_and_differenced(tmp_path):
+    from bench.scale_out import GcsEventStats, gcs_delta
+
+    log = tmp_path / "gcs_server.out"
+    log.write_text(GCS_LOG)
+    stats = GcsEventStats(str(tmp_path), 1.0)
+    stats._read()
+    first = {f"{sec}/{n}": v for sec, hs in stats.latest[1].items() for n, v in hs.items()}
+    assert first["Main service/HealthCheck"] == (8784, 108.2)
+    assert first["pubsub_io_context/Publisher.CheckDeadSubscribers"] == (10, 0.1)
+    later = (GCS_LOG.replace("16:01:34", "16:01:37").replace("8784 total", "8790 total")
+             .replace("197 total", "261 total").replace("total = 46.59ms", "total = 60.00ms"))
+    with open(log, "a") as f:
+        f.write(later)
+    stats._read()
+    second = {f"{sec}/{n}": v for sec, hs in stats.latest[1].items() for n, v in hs.items()}
+    delta = gcs_delta(first, second)
+    # the handler's own work (HandleRequestImpl), not the RPC's time on the wire
+    assert delta["ActorInfoGcsService.grpc_server.GetNamedActorInfo"] == {"calls": 64,
+                                                                          "ms": 13.4}
+    assert delta["HealthCheck"] == {"calls": 6, "ms": 0.0}
+    assert "Publisher.CheckDeadSubscribers" not in delta  # unchanged
