@@ -147,13 +147,15 @@ def _pss(pid: int) -> int | None:
 
 
 #: Kinds a process may leave (a worker before it runs a task or an actor, or between tasks).
-TRANSIENT = ("idle_worker", "starting_worker")
+TRANSIENT = ("idle_worker", "starting_worker", "forked_driver")
 
 
 def kind_of(cmd: str, pid: int, driver: int) -> str:
     """A process's kind from its command line (Ray sets ``ray::<actor or task>`` titles)."""
     if pid == driver:
         return "driver"
+    if cmd and cmd == _cmdline(driver):
+        return "forked_driver"  # a child of the driver before it exec'd (a Ray process)
     if cmd.startswith("ray::"):
         title = cmd[5:].split(" ")[0]
         if title in ("IDLE", "IDLE_SPILL_WORKER", "IDLE_RESTORE_WORKER"):
@@ -383,7 +385,7 @@ class GcsEventStats:
 
 
 def gcs_delta(a: dict[str, tuple[int, float]], b: dict[str, tuple[int, float]],
-              top: int = 14) -> dict[str, dict[str, float]]:
+              top: int = 30) -> dict[str, dict[str, float]]:
     """The handlers called most between two snapshots: calls and execution ms (for gRPC
     handlers the ``.HandleRequestImpl`` entries, the GCS's own work)."""
     rows = {}
