@@ -743,7 +743,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-min-actors-s", type=float, default=120,
                    help="part 1: the pool's actors are all up before the first block")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="no unrecorded rank phase before the first run")
+                   help="no unrecorded rank phase before each run's measured ones")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--idle-s", type=float, default=10.0)
     p.add_argument("--gcs-stats-interval-s", type=float, default=3.0,
@@ -800,13 +800,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             remote = ray.remote(SimRanks)
             catalogs = {k: load_catalog([v]) for k, v in datasets.items()}
             refs = {k: ray.put(c) for k, c in catalogs.items()}
-            if args.ranks and args.warmup:
-                # the decode workers of the ranks' tasks start once per job: not in a figure
-                w = min(spec(x, 1)[0] for x in args.ranks)
-                r = ranks_phase(args, remote, datasets[w], catalogs[w], refs[w], w, sampler,
-                                "warmup", max_batches=1)
-                print(f"warm-up ranks {w}: exact {r['exact_ranks']}, {r['stream_s']} s",
-                      flush=True)
             for run in range(args.runs):
                 rec: dict[str, Any] = {"actors": [], "ranks": []}
                 # alternate the order: whatever runs first in a sitting is not always the same
@@ -816,6 +809,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      refs["actors"], n)
                     print(f"run {run} decoders {n}: {json.dumps(r)}", flush=True)
                     rec["actors"].append(r)
+                if args.ranks and args.warmup:
+                    # decode task workers start once per job (and again after part 1's
+                    # actors took their CPUs): not in the first measured phase's figures
+                    w = min(spec(x, 1)[0] for x in args.ranks)
+                    r = ranks_phase(args, remote, datasets[w], catalogs[w], refs[w], w,
+                                    sampler, f"warmup{run}", max_batches=1)
+                    print(f"warm-up ranks {w}: exact {r['exact_ranks']}, {r['stream_s']} s",
+                          flush=True)
                 for item in (args.ranks if run % 2 == 0 else args.ranks[::-1]):
                     world, k = spec(item, args.ranks_per_process)
                     r = ranks_phase(args, remote, datasets[world], catalogs[world], refs[world],
