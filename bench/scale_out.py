@@ -622,6 +622,9 @@ def ranks_phase(args: argparse.Namespace, remote: Any, data: str, catalog: Any, 
         "start_s": round(t_ready - t_create, 1), "stream_s": round(t1 - t0, 2),
         "samples_per_s": round(samples / (t1 - t0), 1),
         "ttfb_s": _spread(ttfb), "first_batch_after_start_s": _spread(first_abs),
+        # per rank: (rank, first batch, last batch), seconds after the common start
+        "per_rank_s": sorted((r["rank"], round(r["t_start"] + (r["ttfb_s"] or 0) - t0, 2),
+                              round(r["t_start"] + r["elapsed_s"] - t0, 2)) for r in results),
         "decode_compute": sorted({r["decode_compute"] for r in results}),
         "decoders_seen_per_rank": statistics.median(r["decoders_seen"] for r in results),
         "cpu_s_stream": {k: round(v, 2) for k, v in sorted(stream.items(), key=lambda kv: -kv[1])
