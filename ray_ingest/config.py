@@ -161,6 +161,13 @@ class DecodeConfig:
     #: Seconds the pool must stay under-used before it shrinks: a pause of the train loop
     #: (checkpoint, validation) shorter than this keeps its actors (0: Ray's default).
     scale_down_hold_s: float = attrs.field(default=30.0, validator=_at_least(0.0))
+    #: Benchmarks only (bench/scale_out.py): seconds every decoded sample sleeps, a decode cost
+    #: that holds no core and no GIL, so decode capacity scales with the decoders alone, not
+    #: with this machine's cores (0: off; never set it for training).
+    sim_cost_s: float = attrs.field(default=0.0, validator=_at_least(0.0))
+    #: Benchmarks only: each sample's sleep varies by up to this fraction of ``sim_cost_s``
+    #: either way, drawn from (loader.seed, shard, index) through hashlib (never time or pid).
+    sim_cost_jitter: float = attrs.field(default=0.0, validator=_at_least(0.0))
 
     @property
     def decoded_modalities(self) -> tuple[str, ...]:
@@ -169,6 +176,9 @@ class DecodeConfig:
                                  self.embedding_modality) if m is not None)
 
     def __attrs_post_init__(self) -> None:
+        if self.sim_cost_jitter > 1:
+            raise ConfigError(f"decode.sim_cost_jitter: expected a fraction in [0, 1], "
+                              f"got {self.sim_cost_jitter!r}")
         if self.pool_max < self.pool_min:
             raise ConfigError(
                 f"decode.pool_max: expected >= decode.pool_min ({self.pool_min}), "

@@ -9,6 +9,7 @@ able to run code on the training cluster.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -109,6 +110,19 @@ def _refuse_bomb(size: tuple[int, int], limit: int) -> None:
         raise Image.DecompressionBombWarning(
             f"Image size ({pixels} pixels) exceeds limit of {limit} pixels, "
             "could be decompression bomb DOS attack.")
+
+
+def sim_cost(cfg: DecodeConfig, seed: int, sid: int, index: int) -> float:
+    """Seconds sample (``sid``, ``index``) sleeps under ``decode.sim_cost_s`` (benchmarks only):
+    the base cost, varied by up to ``sim_cost_jitter`` of it either way by a hashlib draw of
+    (seed, shard, index), so a run's costs do not depend on which decoder took the sample."""
+    if not cfg.sim_cost_s:
+        return 0.0
+    if not cfg.sim_cost_jitter:
+        return cfg.sim_cost_s
+    digest = hashlib.sha256(f"ray_ingest:sim_cost:{seed}:{sid}:{index}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2.0**64  # [0, 1)
+    return cfg.sim_cost_s * (1.0 + cfg.sim_cost_jitter * (2.0 * u - 1.0))
 
 
 class Decoder:
@@ -229,6 +243,7 @@ class Decoder:
                     for values in zip(*batch.values(), strict=True)]
         decoded: list[dict[str, Any]] = []
         errors: list[str] = []
+        sleep = 0.0
         for row in rows:
             if row.get(ERROR):  # the read task already gave up on this sample
                 decoded.append(self.placeholder(row))
@@ -237,6 +252,8 @@ class Decoder:
             try:
                 decoded.append(self.decode_row(row))
                 errors.append("")
+                if self.cfg.sim_cost_s:
+                    sleep += sim_cost(self.cfg, self.seed, row[SID], row[INDEX])
             except (SampleError, UnsafeFormatError, OSError, ValueError, SyntaxError, EOFError,
                     Image.DecompressionBombError, Image.DecompressionBombWarning,
                     UnicodeDecodeError) as exc:
@@ -251,6 +268,8 @@ class Decoder:
                     log.warning("skip %s: %s", where, reason)
                 decoded.append(self.placeholder(row))
                 errors.append(reason)
+        if sleep:  # benchmarks only: the block's simulated cost in one sleep (no CPU, no GIL)
+            time.sleep(sleep)
         out = self.assemble(rows, decoded, errors)
         out[DECODE_TIME] = np.full(len(rows), (time.thread_time() - t0) / max(len(rows), 1))
         return out
