@@ -418,9 +418,9 @@ class SimRanks:
         from ray.data import DataContext
 
         from ray_ingest.config import config_from_dict
-        from ray_ingest.executions import Executions
+        from ray_ingest.execution.opener import Executions
+        from ray_ingest.loader.ingest import IngestLoader
         from ray_ingest.plan.topology import Topology
-        from ray_ingest.stream import IngestLoader
 
         if wait_for_min_actors_s:
             DataContext.get_current().wait_for_min_actors_s = int(wait_for_min_actors_s)
@@ -429,7 +429,7 @@ class SimRanks:
         self.loaders = {}
         lock = threading.Lock()
         for rank in ranks:
-            topo = Topology(world_size=world, rank=rank, num_workers=cfg.loader.read_workers)
+            topo = Topology(world_size=world, rank=rank, read_workers=cfg.loader.read_workers)
             opener = None
             if len(ranks) > 1:
                 executions = Executions(cfg, catalog, topo)
@@ -510,7 +510,7 @@ def loader_doc(args: argparse.Namespace, data: str, compute: str, pool: int,
 
 
 def make_data(root: str, samples: int, shard_size: int, seed: int) -> str:
-    from ray_ingest.synth import synth_dataset
+    from ray_ingest.tools.synth import synth_dataset
 
     path = os.path.join(root, f"ds_{samples}_{shard_size}")
     if not os.path.exists(path):
@@ -764,8 +764,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
     import ray
 
-    from ray_ingest.catalog import load_catalog
-    from tests.multinode import MB, LoopbackCluster, loopback
+    from ray_ingest.catalog.load import load_catalog
+    from tests.support.multinode import MB, LoopbackCluster, loopback
 
     tmp = args.workdir or tempfile.mkdtemp(prefix="scale_out_")
     max_n = max(args.actors, default=1)
@@ -790,7 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                "PYTHONPATH": REPO}})
             # as the job does: Ray Data's cluster singletons (stats actor, autoscaling
             # coordinator) start on the driver's node, the head, before any execution
-            from ray_ingest.pipeline import warm_up
+            from ray_ingest.execution.raydata import warm_up
 
             warm_up()
             _wait_for_singletons()

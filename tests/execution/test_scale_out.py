@@ -11,11 +11,11 @@ import copy
 import pytest
 
 from bench.scale_out import compare, planned_batches
-from ray_ingest.catalog import load_catalog
+from ray_ingest.catalog.load import load_catalog
 from ray_ingest.config import config_from_dict
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.topology import Topology
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import synth_dataset
+from ray_ingest.tools.synth import synth_dataset
 
 WORLD, BATCH = 3, 5
 
@@ -49,7 +49,7 @@ def test_plan_is_what_the_loader_delivers(data, rank):
     """The planner-only expectation equals what the real loader (decode threads, no Ray)
     delivers, padding included, over two epochs."""
     cfg = _cfg(data)
-    loader = IngestLoader(cfg, Topology(world_size=WORLD, rank=rank, num_workers=2))
+    loader = IngestLoader(cfg, Topology(world_size=WORLD, rank=rank, read_workers=2))
     got = [list(zip(b.sids, b.indices, b.pads, strict=True))
            for _, bs in loader.epochs(2) for b in bs]
     want = _plan(data, rank)
@@ -105,9 +105,9 @@ def small_cluster():
     import ray
 
     from bench.scale_out import REPO, _wait_for_singletons
-    from ray_ingest.pipeline import warm_up
+    from ray_ingest.execution.raydata import warm_up
     from tests.conftest import init_local_ray
-    from tests.multinode import LoopbackCluster, loopback
+    from tests.support.multinode import LoopbackCluster, loopback
 
     had_session_ray = ray.is_initialized()
     if had_session_ray:

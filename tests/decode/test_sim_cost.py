@@ -14,11 +14,18 @@ import pyarrow as pa
 import pytest
 
 from ray_ingest.config import DecodeConfig, config_from_dict
-from ray_ingest.decode import DECODE_TIME, Decoder, sim_cost
+from ray_ingest.decode.decoder import (
+    DECODE_TIME,
+    Decoder,
+    sim_cost,
+)
 from ray_ingest.errors import ConfigError
+from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.topology import Topology
-from ray_ingest.stream import IngestLoader
-from ray_ingest.synth import make_sample, synth_dataset
+from ray_ingest.tools.synth import (
+    make_sample,
+    synth_dataset,
+)
 
 
 def _rows(n: int, sid: int = 2) -> pa.Table:
@@ -37,7 +44,7 @@ def _rows(n: int, sid: int = 2) -> pa.Table:
 def sleeps(monkeypatch):
     """Every time.sleep of the decode module, recorded instead of slept."""
     calls: list[float] = []
-    monkeypatch.setattr("ray_ingest.decode.time.sleep", calls.append)
+    monkeypatch.setattr("ray_ingest.decode.decoder.time.sleep", calls.append)
     return calls
 
 
@@ -103,8 +110,8 @@ def test_loader_delivers_the_same_batches_with_the_cost(tmp_path, sleeps):
             "decode": {"resolution": 16, "compute": "threads", "threads": 2, **extra},
             "loader": {"batch_size": 8, "read_workers": 1, "seed": 4, "head_start_batches": 0},
         })
-        loader = IngestLoader(cfg, Topology(world_size=2, rank=1, num_workers=1))
-        return [(b.keys, b.sids, b.indices, b.pads, b["image"].numpy().tobytes())
+        loader = IngestLoader(cfg, Topology(world_size=2, rank=1, read_workers=1))
+        return [(b.sample_keys, b.sids, b.indices, b.pads, b["image"].numpy().tobytes())
                 for _, bs in loader.epochs(1) for b in bs]
 
     plain = batches({})
