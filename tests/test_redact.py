@@ -106,10 +106,8 @@ def test_sealed_options_show_nothing_and_carry_everything():
 
 
 def test_job_config_shows_no_secret_and_the_worker_gets_the_real_options():
-    from ray_ingest.train.job import (
-        job_config,
-        worker_config,
-    )
+    from ray_ingest.train.job import job_config
+    from ray_ingest.train.worker import worker_config
 
     cfg = config_from_dict({"data": {"paths": ["gs://b/ds"], "storage_options": OPTIONS}})
     config = job_config(cfg, audit_dir="/tmp/ledger", quiet=True)

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import ray
 
+from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.discovery import discover
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.catalog.shard import Shard
@@ -139,6 +140,40 @@ class _DecodeColumns:
         return result
 
 
+def _at_least_one(**args: int | None) -> None:
+    for name, value in args.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}: expected >= 1, got {value}")
+
+
+def _shard_units(catalog: Catalog, leaf_of: Mapping[str, str]) -> list[ReadUnit]:
+    """Every shard of ``catalog`` as a read unit, in catalog order, with its wdinfo's leaf."""
+    units: list[ReadUnit] = []
+    for w in catalog.wdinfos:
+        for shard in w.tar_files:
+            units.append(_unit(shard, len(units), leaf_of.get(w.source, ""), shard.count))
+    return units
+
+
+def _decode_config(decode: bool | DecodeConfig, modalities: Sequence[str]
+                   ) -> DecodeConfig | None:
+    """``read_twin_tars``' ``decode`` argument as a config (None: no decode), checked against
+    the modalities read."""
+    if decode is False:
+        return None
+    if decode is True:
+        cfg = _default_decode(modalities)
+    elif isinstance(decode, DecodeConfig):
+        cfg = decode
+    else:
+        raise ConfigError(f"decode: expected a bool or a DecodeConfig, got {decode!r}")
+    unknown = [k for k in cfg.decoded_modalities if k not in modalities]
+    if unknown:
+        raise ConfigError(f"decode: modalities {unknown} are not read "
+                          f"(modalities: {list(modalities)})")
+    return cfg
+
+
 def read_twin_tars(
     paths: str | Sequence[str],
     *,
@@ -176,13 +211,10 @@ def read_twin_tars(
         use_index: seek with the ``<tar>.idx.json`` key indexes when slicing shards.
         decode: True or a :class:`~ray_ingest.config.DecodeConfig`: decode with the loader's
             :class:`~ray_ingest.decode.decoder.Decoder` on an autoscaling actor pool
-            (``pool_min..pool_max`` actors, ``num_cpus`` each; ``compute="tasks"``: in at
-            most ``pool_max`` Ray tasks). The decoded columns replace the
-            raw ones: image -> uint8 ``(H, W, 3)`` resized/cropped to the config's resolution
-            or bucket shape (a Ray tensor column), caption -> str (JSON ``prompt`` or text),
-            embedding -> the ``.npy`` array (a variable-shaped tensor column). Other modalities
-            keep their bytes and extension. True picks ``image``/``caption``/``umt5`` from
-            ``modalities`` with default settings.
+            (``pool_min..pool_max`` actors; ``compute="tasks"``: at most ``pool_max`` tasks).
+            Decoded columns replace the raw ones: image -> uint8 ``(H, W, 3)`` tensor column,
+            caption -> str, embedding -> the ``.npy`` array; other modalities keep their bytes.
+            True picks ``image``/``caption``/``umt5`` from ``modalities`` with defaults.
         seed: seed of random crops when decoding (``DecodeConfig.crop="random"``).
         block_rows: rows per Arrow block yielded by a read task.
         storage_options: fsspec options (``token``, ``project``, ``endpoint_url``).
@@ -200,34 +232,13 @@ def read_twin_tars(
     """
     so = dict(storage_options or {})
     mods = _modalities(modalities, "read_twin_tars")
-    if isinstance(paths, str):
-        paths = [paths]
-    paths = list(paths)
-    if block_rows < 1:
-        raise ConfigError(f"block_rows: expected >= 1, got {block_rows}")
-    if override_num_blocks is not None and override_num_blocks < 1:
-        raise ConfigError(f"override_num_blocks: expected >= 1, got {override_num_blocks}")
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    _at_least_one(block_rows=block_rows, override_num_blocks=override_num_blocks)
     opts = ReadOptions(align=align, optional=tuple(optional), use_index=use_index,
                        index_path=index_path, storage_options=so)
     catalog = load_catalog(paths, modalities=mods, storage_options=so)
-    leaf_of = _leaves(paths, so)
-    units: list[ReadUnit] = []
-    for w in catalog.wdinfos:
-        for shard in w.tar_files:
-            units.append(_unit(shard, len(units), leaf_of.get(w.source, ""), shard.count))
-    cfg = None
-    if decode is True:
-        cfg = _default_decode(catalog.modalities)
-    elif isinstance(decode, DecodeConfig):
-        cfg = decode
-    elif decode is not False:
-        raise ConfigError(f"decode: expected a bool or a DecodeConfig, got {decode!r}")
-    if cfg is not None:
-        wanted = cfg.decoded_modalities
-        unknown = [k for k in wanted if k not in catalog.modalities]
-        if unknown:
-            raise ConfigError(f"decode: modalities {unknown} are not read "
-                              f"(modalities: {list(catalog.modalities)})")
+    units = _shard_units(catalog, _leaves(paths, so))
+    cfg = _decode_config(decode, catalog.modalities)
     source = TwinTarDatasource(_tasks(units, override_num_blocks), opts, block_rows=block_rows,
                                schema=_schema(catalog.modalities, with_sid=cfg is not None))
     ds = ray.data.read_datasource(

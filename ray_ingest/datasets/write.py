@@ -24,8 +24,9 @@ written last, on the driver.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -404,22 +405,15 @@ def write_twin_tars(
     arrays/tensor columns as ``.npy``); member extensions come from ``<modality>__ext``
     columns, else ``extensions``. Output sharding:
 
-    * *keep* (default; rows with ``__shard__`` and ``__index__``, as :func:`read_twin_tars`
-      gives): each sample goes to its source shard path at its index's rank, under its
-      ``__leaf__`` folder, so ``write_twin_tars(read_twin_tars(x), y)`` reproduces ``x``'s tar
-      names, members and order;
-    * *re-shard* (``shard_size`` or ``max_shard_bytes``): samples in source order (``__leaf__``,
-      ``__shard__``, ``__index__``) when rows carry it, else by key, cut into shards of
-      ``shard_size`` samples or of at most ``max_shard_bytes`` member bytes (a new shard starts
-      when one would exceed it; PiD's rule), numbered ``part_XXXXXX/NNNNNN.tar`` per leaf.
-      This plans on the driver from a first pass over keys and sizes (the input runs twice:
-      ``materialize()`` an expensive one first).
+    * *keep* (default; rows with ``__shard__``/``__index__``, as :func:`read_twin_tars` gives):
+      ``write_twin_tars(read_twin_tars(x), y)`` reproduces ``x``'s tar names, members, order;
+    * *re-shard* (``shard_size`` or ``max_shard_bytes``): source order (else by key) cut by
+      count or by member bytes (PiD's rule), ``part_XXXXXX/NNNNNN.tar`` per leaf, planned on
+      the driver from a first pass (the input runs twice: ``materialize()`` a costly one).
 
     ``bucket_column`` puts each sample under ``aspect_ratio_<value>/`` (a leaf with its own
     wdinfo.json) instead of its ``__leaf__``. The output does not depend on how Ray splits the
-    data into blocks and tasks. Each tar is written as ``<name>.partial`` and renamed when its
-    shard is complete; re-running the same write over a partial output keeps the shards whose
-    key indexes already list the same members (names and sizes) and writes the others.
+    data, and a re-run over a partial output keeps its complete shards (module docstring).
 
     Args:
         ds: the Dataset.
@@ -442,6 +436,36 @@ def write_twin_tars(
     """
     so = dict(storage_options or {})
     register(so)
+    mods = _write_modalities(modalities, shard_size, max_shard_bytes, part_size)
+    exts = {str(k): str(v).lstrip(".") for k, v in (extensions or {}).items()}
+    keep = _check_columns(ds, mods, bucket_column, shard_size is None and max_shard_bytes is None)
+    if overwrite:
+        prepare_output(path, overwrite=True, storage_options=so)
+    if keep:
+        assigned = ds.map_batches(_KeepSharding(bucket_column), batch_format="pyarrow",
+                                  num_cpus=num_cpus)
+    else:
+        with _one_line_errors():
+            plan = _plan_reshard(ds, mods, bucket_column, shard_size, max_shard_bytes,
+                                 part_size, num_cpus)
+        assigned = ds.map_batches(_AssignPlanned(ray.put(plan)), batch_format="pyarrow",
+                                  num_cpus=num_cpus)
+    packed = assigned.groupby([_OUT_LEAF, _OUT_PATH], num_partitions=num_partitions).map_groups(
+        _pack_shard, fn_kwargs={"modalities": mods, "extensions": exts},
+        batch_format="pyarrow", num_cpus=num_cpus)
+    packed.context.raise_original_map_exception = True  # our one-line errors, not a wrapper
+    sink = TwinTarsDatasink(path, mods, so, chunk_size=shard_size)
+    remote_args = {k: v for k, v in (("num_cpus", num_cpus), ("memory", memory)) if v is not None}
+    with _one_line_errors():
+        packed.write_datasink(sink, ray_remote_args=remote_args, concurrency=concurrency)
+    if sink.report is None:  # on_write_complete did not run: nothing reached the sink
+        raise IngestError(f"write_twin_tars: the dataset has no rows; nothing written to {path}")
+    return sink.report
+
+
+def _write_modalities(modalities: Sequence[str] | str | None, shard_size: int | None,
+                      max_shard_bytes: int | None, part_size: int) -> tuple[str, ...]:
+    """The modalities to write, the sharding arguments checked."""
     mods = _modalities(modalities, "write_twin_tars")
     if mods is None:
         raise ConfigError("write_twin_tars: modalities: expected the modality columns to "
@@ -454,7 +478,13 @@ def write_twin_tars(
         raise ConfigError(f"max_shard_bytes: expected >= 1, got {max_shard_bytes}")
     if part_size < 0:
         raise ConfigError(f"part_size: expected >= 0, got {part_size}")
-    exts = {str(k): str(v).lstrip(".") for k, v in (extensions or {}).items()}
+    return mods
+
+
+def _check_columns(ds: ray.data.Dataset, mods: Sequence[str], bucket_column: str | None,
+                   keep: bool) -> bool:
+    """The columns the write needs are there (keep mode: the source shard and index too);
+    returns ``keep``."""
     schema = ds.schema(fetch_if_missing=True)
     names = list(schema.names) if schema is not None else []
     missing = [c for c in (KEY, *mods, *([bucket_column] if bucket_column else []))
@@ -462,43 +492,20 @@ def write_twin_tars(
     if missing:
         raise ConfigError(f"write_twin_tars: the dataset lacks columns {missing} "
                           f"(it has {names})")
-    keep = shard_size is None and max_shard_bytes is None
     if keep and not (SHARD in names and INDEX in names):
         raise ConfigError(f"write_twin_tars: rows have no {SHARD}/{INDEX} to keep their "
                           "sharding; pass shard_size or max_shard_bytes")
-    if overwrite:
-        prepare_output(path, overwrite=True, storage_options=so)
-    if keep:
-        assigned = ds.map_batches(_KeepSharding(bucket_column), batch_format="pyarrow",
-                                  num_cpus=num_cpus)
-    else:
-        try:
-            plan = _plan_reshard(ds, mods, bucket_column, shard_size, max_shard_bytes,
-                                 part_size, num_cpus)
-        except Exception as exc:
-            cause = _ingest_cause(exc)
-            if cause is None:
-                raise
-            raise cause from None
-        assigned = ds.map_batches(_AssignPlanned(ray.put(plan)), batch_format="pyarrow",
-                                  num_cpus=num_cpus)
-    packed = assigned.groupby([_OUT_LEAF, _OUT_PATH], num_partitions=num_partitions).map_groups(
-        _pack_shard, fn_kwargs={"modalities": mods, "extensions": exts},
-        batch_format="pyarrow", num_cpus=num_cpus)
-    packed.context.raise_original_map_exception = True  # our one-line errors, not a wrapper
-    sink = TwinTarsDatasink(path, mods, so, chunk_size=shard_size)
-    remote_args: dict[str, Any] = {}
-    if num_cpus is not None:
-        remote_args["num_cpus"] = num_cpus
-    if memory is not None:
-        remote_args["memory"] = memory
+    return keep
+
+
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """Re-raise an execution's failure as the one-line IngestError behind it, when there is
+    one (not Ray's wrapper with its advice)."""
     try:
-        packed.write_datasink(sink, ray_remote_args=remote_args, concurrency=concurrency)
+        yield
     except Exception as exc:
         cause = _ingest_cause(exc)
         if cause is None:
             raise
         raise cause from None
-    if sink.report is None:  # on_write_complete did not run: nothing reached the sink
-        raise IngestError(f"write_twin_tars: the dataset has no rows; nothing written to {path}")
-    return sink.report

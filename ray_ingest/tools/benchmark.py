@@ -422,6 +422,31 @@ def start_ray():
     return ray
 
 
+def _run_one(args: argparse.Namespace, r: int, name: str, runner: Callable) -> dict:
+    """One run of one contender: its summary (and its CPU by process role), printed."""
+    mult = args.cores if name == "ceiling" else 1
+    time.sleep(args.gap_s)
+    sampler = (cpu_roles.Sampler(interval=args.cpu_interval).start()
+               if args.cpu_interval > 0 else None)
+    cpu0 = _cpu_s()
+    t0 = time.perf_counter()
+    events = [(e, time.perf_counter(), k) for e, k in
+              runner(args.data, args.res, args.batch, args.cores, args.epochs)]
+    s = summarize(t0, events, mult)
+    s["cpu_s"] = _cpu_s() - cpu0
+    if sampler is not None:
+        s["cpu_roles"] = sampler.stop().to_dict()
+    stalls = " ".join(f"{x:.2f}" for x in s["boundary_stall_s"])
+    print(f"run {r} {name:9s} {s['samples']} samples in {s['wall_s']:6.2f} s: whole "
+          f"{s['whole']:7.1f}/s steady {s['steady']:7.1f}/s first batch "
+          f"{s['first_batch_s']:5.2f} s boundary stalls [{stalls}] s; CPU "
+          f"{s['cpu_s'] / s['samples'] * 1e3:.2f} ms/sample, "
+          f"{s['cpu_s'] / s['wall_s']:.2f} cores busy", flush=True)
+    if sampler is not None:
+        print("      " + cpu_roles.run_line(s["cpu_roles"], s["samples"]), flush=True)
+    return s
+
+
 def main(argv: list[str] | None = None) -> int:
     from ray_ingest.train.auth import secure_local_ray
 
@@ -448,27 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.runs):
         for name in names:
-            mult = args.cores if name == "ceiling" else 1
-            time.sleep(args.gap_s)
-            sampler = (cpu_roles.Sampler(interval=args.cpu_interval).start()
-                       if args.cpu_interval > 0 else None)
-            cpu0 = _cpu_s()
-            t0 = time.perf_counter()
-            events = [(e, time.perf_counter(), k) for e, k in
-                      runners[name](args.data, args.res, args.batch, args.cores, args.epochs)]
-            s = summarize(t0, events, mult)
-            s["cpu_s"] = _cpu_s() - cpu0
-            if sampler is not None:
-                s["cpu_roles"] = sampler.stop().to_dict()
-            runs[name].append(s)
-            stalls = " ".join(f"{x:.2f}" for x in s["boundary_stall_s"])
-            print(f"run {r} {name:9s} {s['samples']} samples in {s['wall_s']:6.2f} s: whole "
-                  f"{s['whole']:7.1f}/s steady {s['steady']:7.1f}/s first batch "
-                  f"{s['first_batch_s']:5.2f} s boundary stalls [{stalls}] s; CPU "
-                  f"{s['cpu_s'] / s['samples'] * 1e3:.2f} ms/sample, "
-                  f"{s['cpu_s'] / s['wall_s']:.2f} cores busy", flush=True)
-            if sampler is not None:
-                print("      " + cpu_roles.run_line(s["cpu_roles"], s["samples"]), flush=True)
+            runs[name].append(_run_one(args, r, name, runners[name]))
     idle_after = None
     if args.idle_s > 0:
         idle_after = cpu_roles.measure_idle(args.idle_s, settle_s=args.idle_settle_s)

@@ -241,14 +241,42 @@ def shard_folders(
         shards_per_task: shards per executor job.
 
     Returns:
-        The :class:`~ray_ingest.twintar.writer.DatasetReport`, including ``dropped`` per
-        folder/reason.
+        The :class:`~ray_ingest.twintar.dataset.DatasetReport` (``dropped`` per folder, reason).
 
     Raises:
         ConfigError: bad arguments, no modality folders, or no sample usable in every folder.
     """
     so = dict(storage_options or {})
     register(so)
+    _check_args(shard_size, max_shard_size_mb, max_file_size_mb, num_workers, shards_per_task,
+                limit, dataset_name)
+    fs, root = fsspec.core.url_to_fs(input_dir, **so)
+    sel = _Selection(_modality_folders(fs, root, input_dir, size_based_on))
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (list, tuple)) else fs.protocol
+    sel.scan(fs, root, "" if protocol in ("file", "local") else f"{protocol}://",
+             int(max_file_size_mb * _MB))
+    stems, keys = sel.keyed(sel.common_stems(), dataset_name)
+    stems = sel.ordered(stems, shuffle, seed, limit)
+    bucket_of, stems = sel.bucketed(stems, classify_aspect_ratio, aspect_ratios,
+                                    max(num_workers, 8), so)
+    sel.require(stems, input_dir)
+    jobs, leaf_bucket = sel.plan(stems, keys, bucket_of, output_dir, shard_size,
+                                 int(max_shard_size_mb * _MB), part_size)
+    # write here, or one task per group of shards on an executor: the same bytes either way
+    prepare_output(output_dir, overwrite=overwrite, storage_options=so)
+    writer = _ShardWriters(tuple(sel.modalities), so, num_workers=num_workers,
+                           progress=progress if executor is None else False)
+    if executor is None:
+        results = [writer(jobs)]
+    else:
+        results = executor.map(writer, [jobs[i : i + shards_per_task]
+                                        for i in range(0, len(jobs), shards_per_task)])
+    return _finish(input_dir, results, sel, leaf_bucket, shard_size, so)
+
+
+def _check_args(shard_size: int | None, max_shard_size_mb: float, max_file_size_mb: float,
+                num_workers: int, shards_per_task: int, limit: int | None,
+                dataset_name: str | None) -> None:
     if shard_size is not None and shard_size < 1:
         raise ConfigError(f"shard_size: expected >= 1, got {shard_size}")
     if shard_size is None and not max_shard_size_mb > 0:
@@ -266,11 +294,12 @@ def shard_folders(
                                      or "/" in dataset_name):
         raise ConfigError(f"dataset_name: expected a name without '.' or '/', got {dataset_name!r}")
 
-    fs, root = fsspec.core.url_to_fs(input_dir, **so)
+
+def _modality_folders(fs: fsspec.AbstractFileSystem, root: str, input_dir: str,
+                      size_based_on: str | None) -> list[str]:
+    """The modality folders, the primary (``size_based_on``) first, the others sorted."""
     if not fs.exists(root) or not fs.isdir(root):
         raise ConfigError(f"{input_dir}: input folder not found")
-    protocol = fs.protocol[0] if isinstance(fs.protocol, (list, tuple)) else fs.protocol
-    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
     entries = fs.ls(root, detail=True)
     for e in entries:  # a linked modality folder could be anywhere: refused, not followed
         if e.get("islink") and not _basename(e["name"]).startswith(".") and fs.isdir(e["name"]):
@@ -285,121 +314,151 @@ def shard_folders(
     primary = size_based_on or ("image" if "image" in folders else folders[0])
     if primary not in folders:
         raise ConfigError(f"size_based_on: expected one of {folders}, got {primary!r}")
-    modalities = [primary] + [f for f in folders if f != primary]
+    return [primary] + [f for f in folders if f != primary]
 
-    # 1. scan every folder
-    report = DatasetReport()
-    good: dict[str, dict[str, _File]] = {}
-    bad: dict[str, dict[str, tuple[str, int]]] = {}
-    for folder in modalities:
-        good[folder], bad[folder] = _scan(fs, f"{root.rstrip('/')}/{folder}", folder, prefix,
-                                          int(max_file_size_mb * _MB), report)
 
-    # 2. intersect; account for every file of a dropped stem
-    def drop(stem: str, reason_for: Mapping[str, str]) -> None:
-        for folder in modalities:
-            if stem in bad[folder]:
-                reason, n = bad[folder][stem]
-                report.drop(folder, reason, n)
-            elif stem in good[folder]:
-                report.drop(folder, reason_for.get(folder, OTHER_FOLDER))
+@attrs.define
+class _Selection:
+    """Which samples of the modality folders are written, and why the others are not: every
+    file of a dropped stem is accounted in ``report`` under its folder and reason."""
 
-    union = set().union(*(set(good[f]) | set(bad[f]) for f in modalities))
-    stems: list[str] = []
-    for stem in sorted(union):
-        if all(stem in good[f] for f in modalities):
-            stems.append(stem)
-            continue
-        absent = any(stem not in good[f] and stem not in bad[f] for f in modalities)
-        drop(stem, {f: NOT_EVERYWHERE for f in modalities} if absent else {})
+    modalities: list[str]
+    report: DatasetReport = attrs.field(factory=DatasetReport)
+    #: Per folder: usable files by stem, and unusable stems -> (reason, files).
+    good: dict[str, dict[str, _File]] = attrs.field(factory=dict)
+    bad: dict[str, dict[str, tuple[str, int]]] = attrs.field(factory=dict)
 
-    # 3. keys: what readers will see; drop unusable and colliding ones
-    def key_of(stem: str) -> str:
-        base = stem.replace(".", "-")
-        return f"{dataset_name}__{base}" if dataset_name else base
+    @property
+    def primary(self) -> str:
+        return self.modalities[0]
 
-    keys: dict[str, str] = {}
-    by_key: dict[str, list[str]] = {}
-    for stem in stems:
-        key = key_of(stem)
-        try:
-            check_key(key)
-        except ConfigError:
-            drop(stem, {f: BAD_KEY for f in modalities})
-            continue
-        keys[stem] = key
-        by_key.setdefault(key, []).append(stem)
-    for group in by_key.values():
-        if len(group) > 1:
-            for stem in group:
-                drop(stem, {f: COLLISION for f in modalities})
-                del keys[stem]
-    stems = [s for s in stems if s in keys]
+    def scan(self, fs: fsspec.AbstractFileSystem, root: str, prefix: str,
+             max_file_bytes: int) -> None:
+        for folder in self.modalities:
+            self.good[folder], self.bad[folder] = _scan(
+                fs, f"{root.rstrip('/')}/{folder}", folder, prefix, max_file_bytes, self.report)
 
-    # 4. order, limit
-    if shuffle:
-        random.Random(seed).shuffle(stems)
-    if limit is not None:
-        for stem in stems[limit:]:
-            drop(stem, {f: BEYOND_LIMIT for f in modalities})
-        stems = stems[:limit]
+    def drop(self, stem: str, reason_for: Mapping[str, str]) -> None:
+        for folder in self.modalities:
+            if stem in self.bad[folder]:
+                reason, n = self.bad[folder][stem]
+                self.report.drop(folder, reason, n)
+            elif stem in self.good[folder]:
+                self.report.drop(folder, reason_for.get(folder, OTHER_FOLDER))
 
-    # 5. aspect buckets (header reads in parallel)
-    bucket_of: dict[str, str | None] = dict.fromkeys(stems)
-    if classify_aspect_ratio:
-        urls = [good[primary][s].url for s in stems]
-        with ThreadPoolExecutor(max_workers=max(num_workers, 8)) as pool:
+    def drop_all(self, stem: str, reason: str) -> None:
+        self.drop(stem, dict.fromkeys(self.modalities, reason))
+
+    def common_stems(self) -> list[str]:
+        """Stems usable in every folder, sorted; the others dropped."""
+        mods = self.modalities
+        union = set().union(*(set(self.good[f]) | set(self.bad[f]) for f in mods))
+        stems: list[str] = []
+        for stem in sorted(union):
+            if all(stem in self.good[f] for f in mods):
+                stems.append(stem)
+                continue
+            absent = any(stem not in self.good[f] and stem not in self.bad[f] for f in mods)
+            self.drop(stem, dict.fromkeys(mods, NOT_EVERYWHERE) if absent else {})
+        return stems
+
+    def keyed(self, stems: list[str], dataset_name: str | None
+              ) -> tuple[list[str], dict[str, str]]:
+        """Each stem's key, what readers will see; unusable and colliding ones dropped."""
+        keys: dict[str, str] = {}
+        by_key: dict[str, list[str]] = {}
+        for stem in stems:
+            base = stem.replace(".", "-")
+            key = f"{dataset_name}__{base}" if dataset_name else base
+            try:
+                check_key(key)
+            except ConfigError:
+                self.drop_all(stem, BAD_KEY)
+                continue
+            keys[stem] = key
+            by_key.setdefault(key, []).append(stem)
+        for same in by_key.values():
+            if len(same) > 1:
+                for stem in same:
+                    self.drop_all(stem, COLLISION)
+                    del keys[stem]
+        return [s for s in stems if s in keys], keys
+
+    def ordered(self, stems: list[str], shuffle: bool, seed: int, limit: int | None
+                ) -> list[str]:
+        """Sorted, or a seeded shuffle of sorted; beyond ``limit`` dropped."""
+        if shuffle:
+            random.Random(seed).shuffle(stems)
+        if limit is not None:
+            for stem in stems[limit:]:
+                self.drop_all(stem, BEYOND_LIMIT)
+            stems = stems[:limit]
+        return stems
+
+    def bucketed(self, stems: list[str], classify: bool, ratios: Sequence[tuple[int, int]],
+                 threads: int, so: Mapping[str, Any]
+                 ) -> tuple[dict[str, str | None], list[str]]:
+        """Each stem's aspect bucket (image headers read in parallel; unreadable ones
+        dropped), or None without classification."""
+        bucket_of: dict[str, str | None] = dict.fromkeys(stems)
+        if not classify:
+            return bucket_of, stems
+        urls = [self.good[self.primary][s].url for s in stems]
+        with ThreadPoolExecutor(max_workers=threads) as pool:
             dims = list(pool.map(lambda u: _image_size(u, so), urls))
         kept = []
         for stem, wh in zip(stems, dims, strict=True):
             if wh is None:
-                drop(stem, {primary: UNREADABLE})
+                self.drop(stem, {self.primary: UNREADABLE})
                 continue
-            bucket_of[stem] = aspect_bucket(wh[0], wh[1], aspect_ratios)
+            bucket_of[stem] = aspect_bucket(wh[0], wh[1], ratios)
             kept.append(stem)
-        stems = kept
-    if not stems:
+        return bucket_of, kept
+
+    def require(self, stems: list[str], input_dir: str) -> None:
+        """At least one sample is left, or an error saying what was dropped and why."""
+        if stems:
+            return
         detail = "; ".join(
             f"{f}: " + ", ".join(f"{r}={n}" for r, n in sorted(rs.items()))
-            for f, rs in sorted(report.dropped.items())
+            for f, rs in sorted(self.report.dropped.items())
         ) or "the folders are empty"
         raise ConfigError(f"{input_dir}: no sample is usable in every modality folder ({detail})")
 
-    # 6. plan shards per leaf
-    jobs: list[ShardJob] = []
-    leaf_bucket: dict[str, str] = {}
-    for bucket in sorted({bucket_of[s] or "" for s in stems}):
-        leaf_stems = [s for s in stems if (bucket_of[s] or "") == bucket]
-        leaf = output_dir.rstrip("/") + (f"/{bucket_dir(bucket)}" if bucket else "")
-        sizes = [good[primary][s].size for s in leaf_stems]
-        for shard_id, group in enumerate(
-            pack_shards(leaf_stems, sizes, shard_size, int(max_shard_size_mb * _MB))
-        ):
-            items = tuple(
-                _Item(keys[s], tuple((f, good[f][s].url, good[f][s].ext) for f in modalities))
-                for s in group
-            )
-            jobs.append(ShardJob(leaf, shard_rel_path(shard_id, part_size), items))
-        if bucket:
-            leaf_bucket[leaf] = bucket
+    def plan(self, stems: list[str], keys: Mapping[str, str],
+             bucket_of: Mapping[str, str | None], output_dir: str, shard_size: int | None,
+             max_shard_bytes: int, part_size: int) -> tuple[list[ShardJob], dict[str, str]]:
+        """The shard jobs, per leaf (a bucket's ``aspect_ratio_W_H/``, or the top)."""
+        jobs: list[ShardJob] = []
+        leaf_bucket: dict[str, str] = {}
+        for bucket in sorted({bucket_of[s] or "" for s in stems}):
+            leaf_stems = [s for s in stems if (bucket_of[s] or "") == bucket]
+            leaf = output_dir.rstrip("/") + (f"/{bucket_dir(bucket)}" if bucket else "")
+            sizes = [self.good[self.primary][s].size for s in leaf_stems]
+            for shard_id, members in enumerate(
+                    pack_shards(leaf_stems, sizes, shard_size, max_shard_bytes)):
+                items = tuple(_Item(keys[s], tuple((f, self.good[f][s].url, self.good[f][s].ext)
+                                                   for f in self.modalities))
+                              for s in members)
+                jobs.append(ShardJob(leaf, shard_rel_path(shard_id, part_size), items))
+            if bucket:
+                leaf_bucket[leaf] = bucket
+        return jobs, leaf_bucket
 
-    # 7. write (here, or one task per group of shards on an executor: same bytes either way)
-    prepare_output(output_dir, overwrite=overwrite, storage_options=so)
-    writer = _ShardWriters(tuple(modalities), so, num_workers=num_workers,
-                         progress=progress if executor is None else False)
-    if executor is None:
-        results = [writer(jobs)]
-    else:
-        results = executor.map(writer, [jobs[i : i + shards_per_task]
-                                        for i in range(0, len(jobs), shards_per_task)])
-    infos = [info for group_infos, _ in results for info in group_infos]
+
+def _finish(input_dir: str, results: Sequence[tuple[list[ShardInfo], dict[str, dict[str, int]]]],
+            sel: _Selection, leaf_bucket: Mapping[str, str], shard_size: int | None,
+            so: Mapping[str, Any]) -> DatasetReport:
+    """The written shards' wdinfo files, and the report with every drop and bucket."""
+    report = sel.report
+    infos = [info for shard_infos, _ in results for info in shard_infos]
     for _, dropped in results:
         for folder, reasons in dropped.items():
             for reason, n in reasons.items():
                 report.drop(folder, reason, n)
     if not infos:
         raise IngestError(f"{input_dir}: every sample failed to read; nothing written")
-    finish_dataset(infos, modalities, report, chunk_size=shard_size, storage_options=so)
+    finish_dataset(infos, sel.modalities, report, chunk_size=shard_size, storage_options=so)
     for info in infos:
         if info.leaf in leaf_bucket:
             bucket = leaf_bucket[info.leaf]

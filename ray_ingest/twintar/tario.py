@@ -147,6 +147,38 @@ def _skip(f: BinaryIO, n: int, seekable: bool, source: str, what: str, offset: i
         offset += step
 
 
+def _header_name(header: bytes) -> str:
+    """A ustar/v7 header's own name (prefix joined), when no long-name or pax record gave one.
+    Bytes after the NUL that ends the name stay in it (and get it refused)."""
+    name = header[0:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
+    if header[257:262] == b"ustar":
+        prefix = header[345:500].split(b"\0", 1)[0]
+        if prefix:
+            name = prefix.decode("utf-8", "surrogateescape") + "/" + name
+    return name
+
+
+def _payload(f: BinaryIO, size: int, padded: int, read: bool, probe_end: bool, seekable: bool,
+             source: str, name: str, pos: int) -> bytes | None:
+    """A member's payload (``read``), or None with the payload skipped. ``probe_end`` (an
+    over-limit member of a seekable tar): seek to the payload's last byte and read it, so a
+    truncated tar fails here, as it would have when reading the payload, instead of looking like
+    a clean end."""
+    if read:
+        data = _read_exact(f, size, source, f"member {name!r}", pos)
+        _skip(f, padded - size, False, source, f"member {name!r} padding", pos + size)
+        return data
+    if probe_end and padded >= _SKIP_SEEK_MIN:
+        f.seek(padded - 1, io.SEEK_CUR)
+        if not f.read(1):
+            raise TarFormatError(
+                f"{source}: truncated tar: member {name!r} at byte {pos} needs {size} "
+                f"bytes, the file ends before")
+        return None
+    _skip(f, padded, seekable, source, f"member {name!r}", pos)
+    return None
+
+
 def iter_members(
     f: BinaryIO,
     source: str = "<tar>",
@@ -205,15 +237,8 @@ def iter_members(
             continue  # global headers and long link names do not name a file
         if long_name is not None:
             name = long_name
-        elif "path" in pax:
-            name = pax["path"]
         else:
-            # bytes after the NUL that ends the name stay in it (and get it refused)
-            name = header[0:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
-            if header[257:262] == b"ustar":
-                prefix = header[345:500].split(b"\0", 1)[0]
-                if prefix:
-                    name = prefix.decode("utf-8", "surrogateescape") + "/" + name
+            name = pax["path"] if "path" in pax else _header_name(header)
         if "size" in pax:
             size = int(pax["size"])
             padded = (size + BLOCK - 1) // BLOCK * BLOCK
@@ -229,21 +254,8 @@ def iter_members(
         key, ext = parsed if parsed else (None, "")
         over = (max_member_bytes if max_member_bytes is not None and size > max_member_bytes
                 else None)
-        if read_data and over is None:
-            data = _read_exact(f, size, source, f"member {name!r}", pos)
-            _skip(f, padded - size, False, source, f"member {name!r} padding", pos + size)
-        elif over is not None and seekable and padded >= _SKIP_SEEK_MIN:
-            # seek to the payload's last byte and read it: a truncated tar fails here, as it
-            # would have when reading the payload, instead of looking like a clean end
-            data = None
-            f.seek(padded - 1, io.SEEK_CUR)
-            if not f.read(1):
-                raise TarFormatError(
-                    f"{source}: truncated tar: member {name!r} at byte {pos} needs {size} "
-                    f"bytes, the file ends before")
-        else:
-            data = None
-            _skip(f, padded, seekable, source, f"member {name!r}", pos)
+        data = _payload(f, size, padded, read_data and over is None, over is not None and seekable,
+                        seekable, source, name, pos)
         pos += padded
         yield Member(name=name, key=key, ext=ext, offset=member_offset, size=size, data=data,
                      over_limit=over if read_data else None)

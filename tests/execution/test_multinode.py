@@ -260,7 +260,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
     from ray_ingest.loader.ingest import IngestLoader
     from ray_ingest.plan.topology import Topology
     from ray_ingest.tools.synth import synth_dataset
-    from ray_ingest.train.ledger import _ledger_append
+    from ray_ingest.train.ledger import append as ledger_append
 
     (first,) = decode_nodes(cluster, 1)
     samples = 1440
@@ -280,7 +280,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
     audit_dir = tmp_path / "audit"
     audit_dir.mkdir()
     ledger = str(audit_dir / "rank_00000.jsonl")
-    _ledger_append(ledger, {"event": "start", "rank": 0, "world": 1, "slot": 0,
+    ledger_append(ledger, {"event": "start", "rank": 0, "world": 1, "slot": 0,
                             "resume_step": 0, "epoch": 0})
     ever_decode = {first.node_id}
     events: dict[str, dict] = {}
@@ -291,7 +291,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
         for batch in batches:
             now = time.monotonic()
             step += 1
-            _ledger_append(ledger, {"epoch": epoch, "step": step, "rank": 0, "slot": 0,
+            ledger_append(ledger, {"epoch": epoch, "step": step, "rank": 0, "slot": 0,
                                     "batch": batch.step_in_epoch, "keys": batch.sample_keys,
                                     "sids": batch.sids, "indices": batch.indices,
                                     "pads": batch.pads, "skipped": batch.skipped})
@@ -342,7 +342,7 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
                 victim = joined  # runs a decode actor (it decoded since it joined)
                 events["kill"] = {"node": victim.node_id[:12], "at_step": step,
                                   "t": cluster.kill(victim)}
-        _ledger_append(ledger, {"event": "epoch_end", "epoch": epoch, "rank": 0, "step": step})
+        ledger_append(ledger, {"event": "epoch_end", "epoch": epoch, "rank": 0, "step": step})
 
     assert "kill" in events, f"the epoch ended before every node event happened: {events}"
     m = loader.metrics()

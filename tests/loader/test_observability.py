@@ -11,10 +11,7 @@ import pytest
 from ray_ingest.config import config_from_dict
 from ray_ingest.plan.topology import Topology
 from ray_ingest.tools.synth import synth_dataset
-from ray_ingest.train.job import (
-    format_step_log,
-    parse_step_log,
-)
+from ray_ingest.train.worker import format_step_log, parse_step_log
 
 STAGES = ("data_wait", "assemble", "transfer", "compute")
 #: Fake compute per batch: large enough that compute is a visible share of the loop.
@@ -90,9 +87,9 @@ def test_train_loop_logs_with_the_formatter():
     """The job prints its periodic line through format_step_log (no second format to drift)."""
     import inspect
 
-    from ray_ingest.train import job as train
+    from ray_ingest.train import worker
 
-    src = inspect.getsource(train.train_loop_per_worker)
+    src = inspect.getsource(worker.WorkerRun)
     assert "format_step_log(" in src and "stage_breakdown(" in src
 
 
