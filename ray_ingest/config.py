@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 CROP_MODES = ("center", "random")
 ON_ERROR = ("raise", "skip")
-COMPUTE_MODES = ("auto", "actors", "tasks", "threads")
+COMPUTE_MODES = ("auto", "actors", "tasks", "threads", "process")
 GROUP_SHARE = ("broadcast", "off")
 
 
@@ -136,17 +136,17 @@ class DecodeConfig:
     max_member_bytes: int = attrs.field(default=512 * 1024**2, validator=_at_least(1))
     #: Pillow's decompression-bomb limit in pixels.
     max_image_pixels: int = attrs.field(default=178_956_970, validator=_at_least(1))
-    #: What decodes: ``actors``, the elastic pool of pool_min..pool_max decode actors (new
-    #: processes for every execution, ~2-3 s each to start); ``tasks``, Ray tasks on the
-    #: node's reused worker processes, at most pool_max at a time (an execution starts in
-    #: ~0.3 s once workers are warm: cheap resumes and windows on small nodes; no pool floor,
-    #: and a lower steady rate: docs/operations.md); ``threads``, ``threads`` threads of the
-    #: rank's own process (no Ray: ray_ingest/execution/threads.py); ``auto``, threads on a small
+    #: What decodes: ``actors``, an elastic pool of pool_min..pool_max decode actors of the
+    #: rank's own (Ray core: execution/pool.py; with ``loader.fused_read: false``, Ray Data read
+    #: tasks feeding a Ray Data actor pool); ``tasks``, one Ray task per read item on reused
+    #: worker processes, at most pool_max at a time; ``process``, one companion actor on the
+    #: rank's node decoding on ``threads`` threads (decode off the trainer's process); ``threads``,
+    #: ``threads`` threads of the rank's own process (no Ray); ``auto``, threads on a small
     #: single-node cluster, actors otherwise (:func:`ray_ingest.execution.threads.resolve_compute`).
     compute: str = attrs.field(default="auto", validator=_one_of(COMPUTE_MODES))
-    #: Decode threads of ``compute: threads`` (None: twice the cores this process may use,
-    #: shared by the node's decoding pipelines: a thread waiting for the GIL leaves its core
-    #: to another).
+    #: Decode threads of ``compute: threads`` and ``process`` (None: the cores this process
+    #: may use, shared by the node's decoding pipelines; twice them for ``threads``, where a
+    #: thread waiting for the GIL leaves its core to another).
     threads: int | None = attrs.field(default=None, validator=_opt_at_least(1))
     #: ``compute: auto`` decodes in threads on a one-node cluster whose node (as this process
     #: sees it) has at most this many cores, where decode actors cost more than they add.

@@ -46,6 +46,7 @@ from ray_ingest.datasets.read import (
     _modalities,
 )
 from ray_ingest.errors import ConfigError, IngestError
+from ray_ingest.execution.pool import ingest_cause
 from ray_ingest.redact import register
 from ray_ingest.twintar.dataset import DatasetReport, finish_dataset, prepare_output
 from ray_ingest.twintar.fsio import join_url
@@ -362,25 +363,6 @@ class TwinTarsDatasink(Datasink):
             kept=tuple(sorted(name(r) for r in rows if not r["written"])))
 
 
-def _ingest_cause(exc: BaseException) -> IngestError | None:
-    """The IngestError behind a failed Ray execution (one line, names the shard), if any."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, ray.exceptions.RayTaskError):
-            cause = getattr(cur, "cause", None)
-            cur = cause if isinstance(cause, BaseException) else cur.__cause__
-            continue
-        if isinstance(cur, IngestError):
-            if cur.args and isinstance(cur.args[0], str) and "\n" in cur.args[0]:
-                # Ray Data appends retry advice on new lines; our messages are one line.
-                cur.args = (cur.args[0].split("\n", 1)[0], *cur.args[1:])
-            return cur
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
 def write_twin_tars(
     ds: ray.data.Dataset,
     path: str,
@@ -505,7 +487,7 @@ def _one_line_errors() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        cause = _ingest_cause(exc)
+        cause = ingest_cause(exc)
         if cause is None:
             raise
         raise cause from None

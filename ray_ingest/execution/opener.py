@@ -1,11 +1,13 @@
 """Which execution reads and decodes a rank's read items: threads of this process or Ray.
 
 ``decode.compute`` resolved once, for this cluster, here (``auto``: threads on a small one-node
-cluster, actors otherwise, :func:`ray_ingest.execution.threads.resolve_compute`), and the executions
-of a loader's windows opened by it: :class:`~ray_ingest.execution.threads.ThreadedExecution` (no
-Ray), or a Ray Data execution (:class:`ray_ingest.execution.raydata.Execution`, imported only then)
-behind the head start (:mod:`ray_ingest.execution.headstart`) where that applies. Imports Ray only
-to open a Ray execution.
+cluster, actors otherwise, :func:`ray_ingest.execution.threads.resolve_compute`), and the
+executions of a loader's windows opened by it: :class:`~ray_ingest.execution.threads.
+ThreadedExecution` (no Ray), or, behind the head start (:mod:`ray_ingest.execution.headstart`)
+where that applies, the rank's own Ray workers (:class:`~ray_ingest.execution.pool.
+PoolExecution`: actors, tasks, the ``process`` companion) or a Ray Data execution
+(:class:`ray_ingest.execution.raydata.Execution`, with ``loader.fused_read: false``), each
+imported only then. Imports Ray only to open a Ray execution.
 """
 
 from __future__ import annotations
@@ -87,10 +89,15 @@ class Executions:
         return self.heads[-1]
 
     def _ray(self, items: list[ReadItem]) -> Execution:
+        topo = self.topology
+        if self.compute == "process" or self.cfg.loader.fused_read:
+            from ray_ingest.execution.pool import PoolExecution
+
+            return PoolExecution(self.cfg, self.catalog, items, self.tags, topo.rank,
+                                 threads=self.threads)
         from ray_ingest.execution.raydata import Execution as RayExecution
 
         # one pipeline per group when its leader decodes for it: a share of the cluster each
-        topo = self.topology
         pipelines = topo.world_size // (topo.group_size if self.shared else 1)
         return RayExecution(self.cfg, self.catalog, items, pipelines, self.tags, topo.rank)
 

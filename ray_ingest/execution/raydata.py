@@ -34,8 +34,9 @@ from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config, DecodeConfig
 from ray_ingest.decode.decoder import Decoder
 from ray_ingest.decode.sizing import block_rows
-from ray_ingest.errors import IngestError, StallError
+from ray_ingest.errors import StallError
 from ray_ingest.execution.handoff import Handoff
+from ray_ingest.execution.pool import ingest_cause
 from ray_ingest.execution.read import DEFAULT_SAMPLE_BYTES, TO_END, block_schema, read_item
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.twintar.reader import ReadOptions, read_options
@@ -179,19 +180,14 @@ def _current(ctx: DataContext) -> Iterator[None]:
 def build_dataset(cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
                   world_size: int = 1, metric_tags: dict[str, str] | None = None,
                   token: str | None = None) -> ray.data.Dataset:
-    """Read ``items`` in order and decode them on the elastic actor pool (``decode.compute:
-    tasks``: in Ray tasks on reused worker processes).
-
-    With ``loader.fused_read`` the decode actors read their items themselves (``ReadDecoder``);
-    otherwise read tasks (``TwinTarDatasource``) feed raw bytes to them through the object store.
-    """
+    """Read ``items`` in order with read tasks (``TwinTarDatasource``) feeding raw bytes through
+    the object store to the elastic Ray Data actor pool of decoders (``decode.compute: tasks``:
+    Ray Data tasks on reused worker processes): the ``loader.fused_read: false`` execution."""
     read_kw: dict[str, Any] = {}
     map_kw: dict[str, Any] = {}
     if cfg.decode.label_selector:
         read_kw["label_selector"] = dict(cfg.decode.label_selector)
         map_kw["label_selector"] = dict(cfg.decode.label_selector)
-    if cfg.loader.fused_read:
-        return _fused(cfg, catalog, items, world_size, metric_tags, map_kw, token)
     with _current(execution_context(cfg, world_size, token)):
         tasks = [[ReadUnit(catalog.shard(it.sid), it)] for it in items if it.count > 0]
         source = TwinTarDatasource(tasks, read_options(cfg), block_rows=block_rows(cfg),
@@ -304,27 +300,6 @@ def _read_units(units: Sequence[ReadUnit], opts: ReadOptions, rows: int, on_erro
                                      else table.column(f.name).cast(f.type)) for f in schema},
                            schema=schema)
 
-ITEM_FIELDS = ("seq", "sid", "start", "count", "pad", "epoch")
-
-
-def _fused(cfg: Config, catalog: Catalog, items: Sequence[ReadItem], world_size: int,
-           metric_tags: dict[str, str] | None, map_kw: dict[str, Any],
-           token: str | None = None) -> ray.data.Dataset:
-    rows = [{f: getattr(it, f) for f in ITEM_FIELDS} for it in items if it.count > 0]
-    shards = {it.sid: catalog.shard(it.sid) for it in items}
-    with _current(execution_context(cfg, world_size, token)):
-        ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
-        return ds.map_batches(
-            **decode_udf(cfg.decode, ReadDecoder,
-                         {"cfg": cfg, "shards": shards, "metric_tags": metric_tags}),
-            num_cpus=cfg.decode.num_cpus,
-            batch_size=1,
-            batch_format="numpy",
-            zero_copy_batch=True,
-            **map_kw,
-        )
-
-
 def decode_udf(dc: DecodeConfig, cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``map_batches`` arguments of a decode step: ``cls(**kwargs)`` on the elastic pool of
     pool_min..pool_max actors, or (``decode.compute: tasks``) built per block in at most
@@ -339,32 +314,7 @@ def decode_udf(dc: DecodeConfig, cls: type, kwargs: dict[str, Any]) -> dict[str,
 
 
 def _in_task(cls: type, kwargs: dict[str, Any], batch: Any) -> Any:
-    return cls(**kwargs)(batch)  # a dict, or ReadDecoder's generator of blocks
-
-
-class ReadDecoder:
-    """Decode actor that reads its own items (``loader.fused_read``).
-
-    One kind of process instead of read workers plus decode actors, and no raw member bytes
-    through the object store: on small nodes that is fewer processes to start and fewer copies.
-    The rows are exactly those of the read tasks + :class:`~ray_ingest.decode.decoder.Decoder` path.
-    """
-
-    def __init__(self, cfg: Config, shards: dict[int, Any],
-                 metric_tags: dict[str, str] | None = None):
-        self.decoder = Decoder(cfg.decode, seed=cfg.loader.seed, on_error=cfg.loader.on_error)
-        self.opts = read_options(cfg)
-        self.shards = shards
-        self.block_rows = block_rows(cfg)
-        self.on_error = cfg.loader.on_error
-        self.metric_tags = metric_tags
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        for i in range(len(batch["sid"])):
-            item = ReadItem(**{f: batch[f][i].item() for f in ITEM_FIELDS})
-            for cols in read_item(self.shards[item.sid], item, self.opts, self.block_rows,
-                                  self.on_error, self.metric_tags, arrow=False):
-                yield self.decoder(cols)
+    return cls(**kwargs)(batch)
 
 
 class Execution:
@@ -436,21 +386,3 @@ class Execution:
         if not self._handoff.close(join_s=10.0):
             log.warning("rank %d: a Ray Data execution did not stop within 10 s of close()",
                         self.rank)
-
-
-def ingest_cause(exc: BaseException) -> IngestError | None:
-    """The :class:`IngestError` behind a Ray task error (``RayTaskError.cause``), if any."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        cause = getattr(cur, "cause", None)
-        if not isinstance(cause, BaseException):
-            if not isinstance(cur, IngestError):
-                return None
-            if cur.args and isinstance(cur.args[0], str) and "\n" in cur.args[0]:
-                # Ray Data appends retry advice on new lines; our messages are one line.
-                cur.args = (cur.args[0].split("\n", 1)[0], *cur.args[1:])
-            return cur
-        cur = cause
-    return None

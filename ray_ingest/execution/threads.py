@@ -48,10 +48,13 @@ def usable_cores() -> int:
 
 
 def decode_threads(dc: DecodeConfig, node_pipelines: int = 1) -> int:
-    """``decode.threads``, or twice the usable cores (measured: docs/benchmarks.md) shared by
-    the ``node_pipelines`` pipelines that decode on this node (several ranks on one node must
-    not each assume they own it), at least one."""
-    return dc.threads or max(1, 2 * usable_cores() // max(1, node_pipelines))
+    """``decode.threads``, or the usable cores shared by the ``node_pipelines`` pipelines that
+    decode on this node (several ranks on one node must not each assume they own it), at least
+    one: twice them in the trainer's own process (``threads``: a thread waiting for the GIL
+    leaves its core to the trainer's), once in a companion process (``process``: more threads
+    only contend for its GIL). Both measured: docs/benchmarks.md."""
+    per_core = 1 if dc.compute == "process" else 2
+    return dc.threads or max(1, per_core * usable_cores() // max(1, node_pipelines))
 
 
 def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:

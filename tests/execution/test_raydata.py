@@ -72,7 +72,7 @@ def _run(cfg, topo: Topology, epochs: int = 1, local: bool = False):
 def test_decode_compute_is_auto_actors_tasks_or_threads(dataset):
     assert config_from_dict({"data": {"paths": [dataset]}}).decode.compute == "auto"
     with pytest.raises(ConfigError, match=r"decode.compute: expected one of auto, actors, tasks, "
-                                          r"threads, got 'processes'"):
+                                          r"threads, process, got 'processes'"):
         config_from_dict({"data": {"paths": [dataset]}, "decode": {"compute": "processes"}})
 
 

@@ -34,9 +34,10 @@ from ray_ingest.tools.synth import synth_dataset
 from tests.support.datagen import write_tar
 
 GOLDEN = Path(__file__).parents[1] / "goldens" / "stream.json"
-#: "ray" (the real Ray Data execution, decode actors), "tasks" (the same, ``decode.compute:
-#: tasks``), "local" (ray_ingest/execution/local.py) or "threads" (``decode.compute: threads``, the
-#: loader's own in-process path, ray_ingest/execution/threads.py), set per test.
+#: "ray" (the rank's decode actors, ray_ingest/execution/pool.py), "process" (its companion
+#: process), "tasks" (``decode.compute: tasks``), "data" (Ray Data read tasks and decode actors,
+#: ``loader.fused_read: false``), "local" (ray_ingest/execution/local.py) or "threads"
+#: (``decode.compute: threads``, the loader's own in-process path), set per test.
 ENGINE = ["ray"]
 WRITE = os.environ.get("RAY_INGEST_WRITE_GOLDENS") == "1"
 
@@ -72,9 +73,12 @@ def corrupt(plain, tmp_path_factory) -> str:
 
 
 def _cfg(path: str, decode: dict[str, Any] | None = None, **loader: Any):
-    if ENGINE[0] in ("ray", "tasks"):  # the Ray edge alone (the head start is a test of its own)
+    if ENGINE[0] in RAY_ENGINES:  # the Ray edge alone (the head start is a test of its own)
         loader.setdefault("head_start_batches", 0)
-    compute = {"tasks": "tasks", "threads": "threads"}.get(ENGINE[0], "actors")
+    if ENGINE[0] == "data":
+        loader.setdefault("fused_read", False)
+    compute = {"tasks": "tasks", "threads": "threads", "process": "process"}.get(ENGINE[0],
+                                                                               "actors")
     return config_from_dict({
         "data": {"paths": [path]},
         "decode": {"resolution": 24, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
@@ -147,15 +151,18 @@ CASES = {
 #: so they run through Ray with ``decode.compute: tasks`` (no actor processes to start: a few
 #: seconds each). Every case also runs in-process.
 RAY_CASES = ("epoch_mode", "resume_mid_epoch")
+#: Engines on Ray.
+RAY_ENGINES = ("ray", "process", "data", "tasks")
 
 
 @pytest.mark.parametrize("case, engine", [
-    *(pytest.param(c, "ray", marks=pytest.mark.ray) for c in sorted(RAY_CASES)),
+    *(pytest.param(c, e, marks=pytest.mark.ray) for c in sorted(RAY_CASES)
+      for e in ("ray", "process", "data")),
     *(pytest.param(c, "tasks", marks=pytest.mark.ray) for c in sorted(set(CASES) - set(RAY_CASES))),
     *((c, "local") for c in sorted(CASES)),
     *((c, "threads") for c in sorted(CASES))])
 def test_golden(request, plain, bucketed, corrupt, tmp_path, case, engine):
-    if engine in ("ray", "tasks"):
+    if engine in RAY_ENGINES:
         request.getfixturevalue("ray_local")
     ENGINE[0] = engine
     got = json.loads(json.dumps(CASES[case]({"plain": plain, "bucketed": bucketed,
@@ -200,7 +207,7 @@ def test_started_loader_delivers_the_goldens_from_one_execution(plain):
 @pytest.mark.ray
 def test_head_start_then_the_pool_delivers_the_goldens(ray_local, plain):
     """The default head start: the first 2 batches' items decoded in this process, the rest by
-    the Ray Data execution: the same batches as either alone."""
+    the decode actors: the same batches as either alone."""
     ENGINE[0] = "head"
     cfg = _cfg(plain, head_start_batches=2)
     runs = {str(r): _run(cfg, Topology(2, r, cfg.loader.read_workers), 3) for r in range(2)}
