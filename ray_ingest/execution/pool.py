@@ -131,7 +131,7 @@ class PoolExecution:
         self._remote: Any = None  # the worker class or the task function, as a Ray remote
         self.started = self.closed = False
         #: Counters for :meth:`stats`.
-        self.done = self.resubmitted = self.peak_workers = 0
+        self.done = self.resubmitted = self.peak_workers = self.retired = 0
         self._grown_at = 0.0
 
     # --- workers -------------------------------------------------------------------------
@@ -286,19 +286,14 @@ class PoolExecution:
         while idle and len(self.workers) > self.min_workers:
             w = idle.pop()
             self.workers.remove(w)
+            self.retired += 1
             ray.kill(w.handle, no_restart=True)
 
     def _check_stall(self, waited: float) -> None:
         timeout = self.cfg.loader.stall_timeout_s
         if timeout is None or waited < timeout:
             return
-        dc = self.cfg.decode
-        where = f"nodes with labels {dict(dc.label_selector)}" if dc.label_selector else "nodes"
-        raise StallError(
-            f"rank {self.rank}: no decoded block for loader.stall_timeout_s ({timeout:g} s) of "
-            f"waiting; likely a decode node was lost and no {where} have room to restart its "
-            f"workers ({dc.num_cpus} CPUs each), or no node matches: add decode capacity, or "
-            f"raise loader.stall_timeout_s")
+        raise stall_error(self.cfg, self.rank, timeout)
 
     def _cause(self, exc: BaseException) -> BaseException:
         """The one-line IngestError behind a worker's failure, or the failure itself."""
@@ -307,7 +302,8 @@ class PoolExecution:
     # --- the rest of the protocol --------------------------------------------------------
     def stats(self) -> str:
         return (f"{self.mode}: {self.done} read items decoded on up to {self.peak_workers} "
-                f"workers, {self.resubmitted} resubmitted, window {self.window}")
+                f"workers, {self.retired} retired idle, {self.resubmitted} resubmitted, "
+                f"window {self.window}")
 
     def close(self) -> None:
         """Stop: calls in flight are cancelled, the workers end."""
@@ -322,6 +318,17 @@ class PoolExecution:
         for handle in [*(w.handle for w in self.workers), *self._starting.values()]:
             ray.kill(handle, no_restart=True)
         self.workers, self._starting = [], {}
+
+
+def stall_error(cfg: Config, rank: int, timeout: float) -> StallError:
+    """What a rank that waited ``loader.stall_timeout_s`` for a decoded block raises."""
+    dc = cfg.decode
+    where = f"nodes with labels {dict(dc.label_selector)}" if dc.label_selector else "nodes"
+    return StallError(
+        f"rank {rank}: no decoded block for loader.stall_timeout_s ({timeout:g} s) of "
+        f"waiting; likely a decode node was lost and no {where} have room to restart its "
+        f"decoders ({dc.num_cpus} CPUs each), or no node matches: add decode capacity, or "
+        f"raise loader.stall_timeout_s")
 
 
 def _window_limit(cfg: Config, calls: int) -> int:

@@ -36,7 +36,7 @@ from ray_ingest.decode.decoder import Decoder
 from ray_ingest.decode.sizing import block_rows
 from ray_ingest.errors import StallError
 from ray_ingest.execution.handoff import Handoff
-from ray_ingest.execution.pool import ingest_cause
+from ray_ingest.execution.pool import ingest_cause, stall_error
 from ray_ingest.execution.read import DEFAULT_SAMPLE_BYTES, TO_END, block_schema, read_item
 from ray_ingest.plan.epoch import ReadItem
 from ray_ingest.twintar.reader import ReadOptions, read_options
@@ -355,13 +355,7 @@ class Execution:
         self.finished = True
 
     def _stalled(self, timeout: float) -> StallError:
-        dc = self.cfg.decode
-        where = f"nodes with labels {dict(dc.label_selector)}" if dc.label_selector else "nodes"
-        return StallError(
-            f"rank {self.rank}: no decoded block for loader.stall_timeout_s ({timeout:g} s) of "
-            f"waiting; likely a decode node was lost and no {where} have room to restart its "
-            f"actors ({dc.num_cpus} CPUs each), or no node matches: add decode capacity, or "
-            f"raise loader.stall_timeout_s")
+        return stall_error(self.cfg, self.rank, timeout)
 
     def stats(self) -> str | None:
         """Ray Data's ``ds.stats()`` of a finished execution (None when unavailable)."""

@@ -348,19 +348,26 @@ def _idle_json(idle: cpu_roles.Account | None) -> dict | None:
     return None if idle is None else {"account": idle.to_dict(), "ms_per_s": idle.per_second_ms()}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="/tmp/ray_ingest_bench_tp", help="dataset folder (reused)")
-    p.add_argument("--samples", type=int, default=9600)
+def add_data_args(p: argparse.ArgumentParser, data: str, samples: int, epochs: int,
+                  cores_help: str) -> None:
+    """The dataset and run-shape flags every benchmark of this family takes."""
+    p.add_argument("--data", default=data,
+                   help="dataset folder (synthesized when it has no wdinfo.json, else reused)")
+    p.add_argument("--samples", type=int, default=samples)
     p.add_argument("--shard-size", type=int, default=100)
     p.add_argument("--min-side", type=int, default=512)
     p.add_argument("--max-side", type=int, default=768)
     p.add_argument("--res", type=int, default=224, help="output side (center crop)")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=3, help="epochs per job")
+    p.add_argument("--epochs", type=int, default=epochs, help="epochs per run")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 2,
-                   help="DataLoader workers / ceiling multiplier")
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help=cores_help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench/throughput.py", description=__doc__.splitlines()[0])
+    add_data_args(p, "/tmp/ray_ingest_bench_tp", 9600, 3,
+                  "DataLoader workers / ceiling multiplier")
     p.add_argument("--only", default=",".join(CONTENDERS))
     p.add_argument("--baseline-resize", choices=sorted(BASELINE_RESIZE), default="whole",
                    help="the baselines' resize: whole image then crop (default, as their users "

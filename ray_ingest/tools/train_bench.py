@@ -247,18 +247,7 @@ def contender_items(name: str, args: argparse.Namespace,
 # --- the sitting ----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench/train_step.py", description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="/tmp/ray_ingest_bench_train",
-                   help="dataset folder (synthesized when it has no wdinfo.json, else reused)")
-    p.add_argument("--samples", type=int, default=4800)
-    p.add_argument("--shard-size", type=int, default=100)
-    p.add_argument("--min-side", type=int, default=512)
-    p.add_argument("--max-side", type=int, default=768)
-    p.add_argument("--res", type=int, default=224, help="output side (center crop)")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--epochs", type=int, default=2, help="epochs per run")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 2,
-                   help="DataLoader workers")
+    tb.add_data_args(p, "/tmp/ray_ingest_bench_train", 4800, 2, "DataLoader workers")
     p.add_argument("--only", default=DEFAULT_ONLY,
                    help="comma list: predecoded, ours, ours:MODE (decode.compute, or "
                         "SECTION.FIELD=VALUE items joined by +), wds_dl_pw, "

@@ -258,7 +258,8 @@ def test_aspect_buckets_give_one_shape_per_batch(tmp_path):
 def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
     """A 12 s pause (a checkpoint, a validation pass) with a small object-store budget idles the
     decode actors; Ray's autoscaler would shrink the pool then grow it again with a new actor
-    (seen with ``scale_down_hold_s: 0``). With the hold, no new actor appears after the pause."""
+    (seen with ``scale_down_hold_s: 0``). With the hold, no actor is retired across the pause
+    (the pool may still grow to ``pool_max`` when the rank waits on it)."""
     out = str(tmp_path / "pause")
     synth_dataset(out, samples=640, shard_size=32, seed=1, min_side=160, max_side=224)
     cfg = config_from_dict({
@@ -277,4 +278,5 @@ def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
                 before = set(loader.actors_seen)
                 time.sleep(12)
     assert loader.executions == 1 and before
-    assert loader.actors_seen == before, "the pool shrank during the pause and grew again"
+    assert before <= loader.actors_seen and len(loader.actors_seen) <= 2
+    assert ", 0 retired idle," in loader.data_stats[-1], loader.data_stats
