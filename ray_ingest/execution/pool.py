@@ -15,7 +15,8 @@ other execution, so the rows are the same bit for bit.
   that joins once it is up (no item waits behind an actor's start), and shrinks after
   ``decode.scale_down_hold_s`` idle. A killed actor restarts and Ray re-runs its calls
   (``max_restarts``/``max_task_retries``); one gone for good has its items resubmitted.
-* ``tasks``: one Ray task per item on the node's reused worker processes, ``pool_max`` at once.
+* ``tasks``: one Ray task per item on the nodes' reused worker processes, at most
+  ``2 × pool_max`` in flight (Ray runs as many at once as the CPUs allow).
 * ``process``: one companion actor per rank on the rank's own node, decoding on
   ``decode.threads`` threads (SPDL's multi-threading in a subprocess): decode off the
   trainer's process and cores, batches over the node's shared memory.
@@ -152,7 +153,9 @@ class PoolExecution:
 
     def _start_worker(self) -> None:
         """A new actor; it takes items once it is up (see :meth:`_admit`)."""
-        handle = self._remote.remote(self._cfg_ref, self.metric_tags)
+        # the config by value: an actor that restarts must not depend on an object that may be
+        # gone by then (Ray logs an error for constructor arguments in the object store)
+        handle = self._remote.remote(self.cfg, self.metric_tags)
         self._starting[handle.ready.remote()] = handle
         self._grown_at = time.monotonic()
 
@@ -261,9 +264,13 @@ class PoolExecution:
         dead = call.worker
         self.workers = [w for w in self.workers if w is not dead]
         lost = [call] + [c for c in self._calls if c.worker is dead]
-        if not self.workers and not self._starting:
-            self._start_worker()
-            self._admit(self.cfg.loader.stall_timeout_s or 600.0)
+        if not self.workers:
+            if not self._starting:
+                self._start_worker()
+            timeout = self.cfg.loader.stall_timeout_s
+            self._admit(600.0 if timeout is None else timeout)
+            if not self.workers:  # no replacement came up in time
+                raise stall_error(self.cfg, self.rank, timeout or 600.0)
         for old in lost:
             new = self._submit(old.item)
             self.resubmitted += 1
@@ -301,6 +308,9 @@ class PoolExecution:
 
     # --- the rest of the protocol --------------------------------------------------------
     def stats(self) -> str:
+        if self.mode == "tasks":
+            return (f"tasks: {self.done} read items decoded by tasks, {self.resubmitted} "
+                    f"resubmitted, window {self.window}")
         return (f"{self.mode}: {self.done} read items decoded on up to {self.peak_workers} "
                 f"workers, {self.retired} retired idle, {self.resubmitted} resubmitted, "
                 f"window {self.window}")

@@ -415,14 +415,22 @@ def ensure_dataset(args: argparse.Namespace) -> None:
                       min_side=args.min_side, max_side=args.max_side, overwrite=True)
 
 
-def start_ray():
-    """A private local Ray as the job's driver starts it (quiet, Ray Data's actors warm)."""
+def uses_ray_data(names: list[str]) -> bool:
+    """Whether a contender runs on Ray Data (``ray_wds``, ``loader.fused_read=false``)."""
+    return any(n == "ray_wds" or "fused_read=false" in n.lower() for n in names)
+
+
+def start_ray(warm: bool = False):
+    """A private local Ray as the job's driver starts it (quiet; with ``warm``, Ray Data's
+    cluster actors started now, as the job does on the Ray Data path)."""
     import ray
+    import ray.data
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    from ray_ingest.execution.raydata import warm_up
+    if warm:
+        from ray_ingest.execution.raydata import warm_up
 
-    warm_up()  # as the job's driver does right after ray.init (ray_ingest.train.job.main)
+        warm_up()  # as ray_ingest.train.job._start_ray does with loader.fused_read: false
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.execution_options.verbose_progress = False
@@ -467,8 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         OURS["decode"].update(pool_min=args.pool, pool_max=args.pool)
     apply_sets(args.set)
     ensure_dataset(args)
-    ray = start_ray()
     names = [n for n in args.only.split(",") if n]
+    ray = start_ray(uses_ray_data(names))
     runners = {n: contender(n) for n in names}
     for n in names:  # a bad ours:MODE fails now, not after the other contenders' runs
         if n.startswith("ours:"):

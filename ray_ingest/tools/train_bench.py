@@ -61,20 +61,22 @@ def build_net(width: int, depth: int, classes: int):
     return nn.Sequential(*layers)
 
 
-def make_step(width: int, depth: int, classes: int, lr: float, seed: int
-              ) -> Callable[[Any], float]:
-    """A fresh net (seeded) and its train step on a uint8 (B, H, W, 3) batch: floats in
-    [0, 1], forward, cross-entropy against fixed labels (``row % classes``), backward, SGD."""
+def make_step(width: int, depth: int, classes: int, lr: float, seed: int,
+              device: str = "cpu") -> Callable[[Any], float]:
+    """A fresh net (seeded) and its train step on a uint8 (B, H, W, 3) batch: on ``device``
+    (the host-to-device copy is part of the step), floats in [0, 1], forward, cross-entropy
+    against fixed labels (``row % classes``), backward, SGD; ``loss.item()`` waits for the
+    device, so the step's time is the device's too."""
     import torch
 
     torch.manual_seed(seed)
-    net = build_net(width, depth, classes)
+    net = build_net(width, depth, classes).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step(images) -> float:
-        x = images.permute(0, 3, 1, 2).float().div_(255)
-        y = torch.arange(x.shape[0]) % classes
+        x = images.to(device).permute(0, 3, 1, 2).float().div_(255)
+        y = torch.arange(x.shape[0], device=device) % classes
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(net(x), y)
         loss.backward()
@@ -254,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "wds_dl")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch.set_num_threads in the trainer (the step's cores)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the step (cuda: the batch is copied there in the step)")
     p.add_argument("--width", type=int, default=16, help="channels of each conv layer")
     p.add_argument("--depth", type=int, default=3, help="stride-2 conv layers")
     p.add_argument("--classes", type=int, default=10)
@@ -292,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.suppress(RuntimeError):  # already set in this process
         torch.set_num_interop_threads(1)
     tb.ensure_dataset(args)
-    ray = tb.start_ray()
+    ray = tb.start_ray(tb.uses_ray_data(names))
     batches = None
     if PREDECODED in names:
         batches, wall, cpu = predecode(args)
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.runs):
         for name in names:
             time.sleep(args.gap_s)
-            step = make_step(args.width, args.depth, args.classes, args.lr, args.seed)
+            step = make_step(args.width, args.depth, args.classes, args.lr, args.seed,
+                             args.device)
             sampler = (cpu_roles.Sampler(interval=args.cpu_interval).start()
                        if args.cpu_interval > 0 else None)
             wall, steps = run_loop(contender_items(name, args, batches), step)
@@ -321,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             if sampler is not None:
                 print("      " + cpu_roles.run_line(s["cpu_roles"], s["samples"]), flush=True)
     med = compare_steps(runs)
-    print(f"\nmedians of {args.runs} interleaved runs, {args.epochs} epochs, net width "
+    print(f"\nmedians of {args.runs} interleaved runs on {args.device}, {args.epochs} epochs, "
+          f"net width "
           f"{args.width} depth {args.depth}, torch threads {args.torch_threads}, batch "
           f"{args.batch} (inflation: median step time / {PREDECODED}'s; pace: step + "
           f"data-wait per step / {PREDECODED}'s):")

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray_ingest.catalog.load import load_catalog
 
-    _start_ray(args)
+    _start_ray(args, cfg)
     try:
         catalog = load_catalog(list(cfg.data.paths), modalities=cfg.data.modalities,
                                storage_options=cfg.data.storage_options, root=cfg.data.root)
@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _start_ray(args: argparse.Namespace) -> None:
-    """Join ``RAY_ADDRESS``'s cluster or start an embedded, quiet local Ray (unless one runs),
-    then start Ray Data's cluster actors while Ray Train starts its workers."""
+def _start_ray(args: argparse.Namespace, cfg: Config) -> None:
+    """Join ``RAY_ADDRESS``'s cluster or start an embedded, quiet local Ray (unless one runs);
+    on the Ray Data path (``loader.fused_read: false``), start Ray Data's cluster actors while
+    Ray Train starts its workers (the rank's own pool never uses them)."""
     import ray
 
     from ray_ingest.execution.raydata import warm_up
@@ -149,7 +150,8 @@ def _start_ray(args: argparse.Namespace) -> None:
                 quiet=not args.verbose))
     if not args.verbose:
         quiet.filter_driver_output()
-    warm_up()
+    if not cfg.loader.fused_read:
+        warm_up()
 
 
 def _trainer(cfg: Config, train_config: dict[str, Any], verbose: bool) -> Any:

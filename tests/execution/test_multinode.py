@@ -231,7 +231,7 @@ def decode_actor_nodes() -> dict[str, str]:
     import ray
 
     return {a["ActorID"]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
-            if re.search(r"MapBatches\((Read)?Decoder\)", a["ActorClassName"])
+            if re.search(r"DecodeWorker|MapBatches\((Read)?Decoder\)", a["ActorClassName"])
             and a["State"] == "ALIVE"}
 
 

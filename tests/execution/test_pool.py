@@ -75,7 +75,9 @@ def test_pool_delivers_the_in_process_rows_in_order(ray_local, dataset, mode):
 
 
 def test_pool_grows_while_the_rank_waits_and_shrinks_when_idle(ray_local, dataset):
-    cfg = _cfg(dataset, compute="actors", sim_cost_s=0.02, scale_down_hold_s=0.0)
+    """60 samples of 60 ms simulated decode on one actor (3.6 s) leave time for a second actor
+    to start (1-2 s on a loaded 2-core machine) and join."""
+    cfg = _cfg(dataset, compute="actors", sim_cost_s=0.06, scale_down_hold_s=0.0)
     catalog = load_catalog([dataset])
     ex = PoolExecution(cfg, catalog, _items(cfg, catalog))
     try:
