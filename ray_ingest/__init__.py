@@ -1,11 +1,12 @@
 """ray_ingest: twin-tar WebDataset ingest on Ray.
 
 Packages follow the data flow: ``twintar`` (tars on storage) -> ``catalog`` (which shards) ->
-``plan`` (which rank reads what) -> ``decode`` -> ``execution`` (threads, or Ray Data with
-decode actors or tasks) -> ``loader`` (the per-rank :class:`IngestLoader`) -> ``train`` (the
-TorchTrainer job); ``datasets`` holds ``read_twin_tars``/``write_twin_tars``, ``tools`` the
-offline commands, ``cli`` the ``ray-ingest`` entry point. Ray is imported only by
-``execution.raydata``, ``datasets``, ``train`` and where a tool runs on Ray.
+``plan`` (which rank reads what) -> ``decode`` -> ``execution`` (threads of the rank's process,
+the rank's own Ray decode actors, tasks or companion actor, or Ray Data) -> ``loader`` (the
+per-rank :class:`IngestLoader`) -> ``train`` (the TorchTrainer job); ``datasets`` holds
+``read_twin_tars``/``write_twin_tars``, ``tools`` the offline commands, ``cli`` the
+``ray-ingest`` entry point. Ray is imported only by ``execution.pool``, ``execution.raydata``,
+``datasets``, ``train`` and where a tool runs on Ray.
 
 ``read_twin_tars``, ``write_twin_tars`` and ``IngestLoader`` are importable from here; they load
 on first use, so ``import ray_ingest`` stays cheap.

@@ -139,7 +139,7 @@ class DecodeConfig:
     #: What decodes: ``actors``, an elastic pool of pool_min..pool_max decode actors of the
     #: rank's own (Ray core: execution/pool.py; with ``loader.fused_read: false``, Ray Data read
     #: tasks feeding a Ray Data actor pool); ``tasks``, one Ray task per read item on reused
-    #: worker processes, at most pool_max at a time; ``process``, one companion actor on the
+    #: worker processes, at most 2 x pool_max in flight; ``process``, one companion actor on the
     #: rank's node decoding on ``threads`` threads (decode off the trainer's process); ``threads``,
     #: ``threads`` threads of the rank's own process (no Ray); ``auto``, threads on a small
     #: single-node cluster, actors otherwise (:func:`ray_ingest.execution.threads.resolve_compute`).
@@ -227,15 +227,17 @@ class LoaderConfig(PlanSettings):
     #: the items after them. 0: off. Only with ordered delivery, and never with a
     #: ``decode.label_selector`` (decoding is meant for those nodes then).
     head_start_batches: int = attrs.field(default=2, validator=_at_least(0))
-    #: Logical CPUs this rank's Ray Data execution may use (read tasks + decode actors).
-    #: None: an equal share of the cluster, its CPUs / the number of ranks.
+    #: Logical CPUs this rank's Ray Data execution (``fused_read: false``) may use (read tasks
+    #: + decode actors). None: an equal share of the cluster, its CPUs / the number of ranks.
+    #: The rank's own pool ignores it (its CPUs: pool_max x decode.num_cpus).
     cpu_limit: float | None = attrs.field(default=None, validator=_opt_at_least(0.0))
-    #: Object-store bytes this rank's execution may hold (backpressure beyond it).
-    #: None: an equal share of the cluster, its object store / the number of ranks.
+    #: Object-store bytes this rank's execution may hold (backpressure beyond it). The pool:
+    #: items in flight capped at this / one decoded block (within its window), None: the window
+    #: alone. Ray Data: the executor's budget, None: the cluster's store / the number of ranks.
     object_store_limit: int | None = attrs.field(default=None, validator=_opt_at_least(1))
-    #: Read items one Ray Data execution plans ahead: it reads as many whole epochs as fit (at
-    #: least the current one), so start-up is paid once per job on small epochs, once per
-    #: epoch on huge ones (every planned read task is ``ray.put`` when an execution starts).
+    #: Read items one execution plans ahead: it reads as many whole epochs as fit (at least
+    #: the current one), so start-up is paid once per job on small epochs, once per epoch on
+    #: huge ones (on Ray Data every planned read task is ``ray.put`` when an execution starts).
     max_planned_items: int = attrs.field(default=4096, validator=_at_least(1))
     #: raise | skip (bad samples are logged, counted and recorded in the read state).
     on_error: str = attrs.field(default="raise", validator=_one_of(ON_ERROR))

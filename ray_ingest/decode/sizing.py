@@ -1,22 +1,30 @@
 """Object-store sizing: decoded bytes per sample and per block, and a rank's bytes in flight.
 
-Pure arithmetic over the config (no Ray): the loader uses :func:`block_rows` to cut blocks,
-docs/operations.md and ``tests/execution/test_multinode.py`` use :func:`in_flight_bytes`.
+Pure arithmetic over the config (no Ray): the loader uses :func:`block_rows` to cut blocks, the
+rank's decode pool (``execution/pool.py``) sizes its window of calls with it, docs/operations.md
+and ``tests/execution/test_multinode.py`` use :func:`in_flight_bytes`.
 
-Where the decoded blocks of one rank sit at once (Ray Data 2.60's streaming executor):
+Where the decoded blocks of one rank sit at once:
 
-* on the decode nodes: each decode actor runs up to ``T`` tasks (``max_tasks_in_flight_per_actor``,
-  2 by default: ``max_concurrency`` 1 × factor 2) and a finished task's output block stays in the
-  plasma store of the actor's node until the consumer pulls it: ``A × T × block`` for ``A``
-  actors, plus the operator's output queue (in ordered mode also the blocks waiting for an
-  earlier one), which Ray Data bounds only by its object-store budget;
-* on the consumer's node (the Train worker): ``prefetch_batches`` blocks fetched ahead, plus
-  the one being batched: ``(P + 1) × block``.
+* on the decode nodes: each decode actor of the rank's pool holds up to ``T`` = 2 calls (one
+  running, one queued), and a finished call's blocks stay in the plasma store of the actor's
+  node until the rank takes them, in stream order: ``A × T × block`` for ``A`` actors (an item
+  of several blocks holds more), within the rank's window of calls in flight (2 ×
+  ``pool_max``, 2 × its threads for the ``process`` companion, lowered by
+  ``loader.object_store_limit``). With ``loader.fused_read: false``,
+  Ray Data 2.60 also sends ``T`` tasks to an actor (``max_tasks_in_flight_per_actor``:
+  ``max_concurrency`` 1 × factor 2), plus the decode operator's output queue (in ordered mode
+  also the blocks waiting for an earlier one), which Ray Data bounds only by its object-store
+  budget;
+* on the consumer's node (the Train worker): ``prefetch_batches`` blocks fetched ahead by Ray
+  Data's iterator, plus the one being batched: ``(P + 1) × block`` (the Ray Data figure; the
+  pool takes one finished item at a time).
 
-Ray Data's budget is ``0.5 ×`` the object store of the *whole cluster*, per executor, and every
-rank runs its own executor: it neither sees that one node's store is small nor that other ranks
-share the cluster. What exceeds a node's store is spilled to disk (decode side) or allocated in
-filesystem-backed fallback memory (consumer side): slower, never lost.
+Ray Data's budget is ``0.5 ×`` the object store of the *whole cluster* per executor, capped for
+each rank's executor by ``loader.object_store_limit`` (unset with several ranks: the cluster's
+store / the number of ranks): it does not see that one node's store is small. What exceeds a
+node's store is spilled to disk (decode side) or allocated in filesystem-backed fallback memory
+(consumer side): slower, never lost.
 """
 
 from __future__ import annotations
@@ -29,8 +37,8 @@ from ray_ingest.decode.augment import (
     parse_bucket,
 )
 
-#: Ray Data 2.60: max_concurrency (1) ×
-#: DEFAULT_ACTOR_MAX_TASKS_IN_FLIGHT_TO_MAX_CONCURRENCY_FACTOR.
+#: Calls in flight per decode actor: the pool's ``PER_WORKER``; Ray Data 2.60's
+#: max_concurrency (1) × DEFAULT_ACTOR_MAX_TASKS_IN_FLIGHT_TO_MAX_CONCURRENCY_FACTOR.
 TASKS_IN_FLIGHT_PER_ACTOR = 2
 
 

@@ -68,7 +68,8 @@ __all__ = ["STATE_DIR", "Batch", "IngestLoader", "StageClock", "plan_params", "s
 
 log = logging.getLogger(__name__)
 
-#: Executions whose Ray Data stats text :attr:`IngestLoader.data_stats` keeps (the last ones).
+#: Executions whose stats :attr:`IngestLoader.data_stats` keeps (the last ones): the decode
+#: pool's or threads' one line, Ray Data's ``ds.stats()`` text with ``loader.fused_read: false``.
 DATA_STATS_KEPT = 4
 
 

@@ -1,13 +1,14 @@
 """Process faults: a decode actor killed mid-epoch is restarted by Ray and the stream goes on
 with nothing lost, nothing duplicated and nothing reordered.
 
-The read tasks are fused into the decode actors (``ReadTwinTar->MapBatches(Decoder)``), so the
-kill also interrupts a read. Ray Data runs the pool with ``max_restarts=-1`` and
-``max_task_retries=-1``: the actor process comes back under the same actor id and the
-interrupted task is re-run from the start of its slice; blocks it had already returned are not
-returned twice. The test learns the actor id from the ``__actor__`` column the Decoder emits,
-its pid from the GCS actor table (the session Ray has no dashboard, so no State API) and sends
-SIGKILL — a crash, not a polite shutdown.
+The test runs the rank's own decode pool (``decode.compute: actors`` with ``loader.fused_read``
+left true: ``execution/pool.py``, not Ray Data). Its actors read their items themselves, so the
+kill also interrupts a read. The pool starts them with ``max_restarts=-1`` and
+``max_task_retries=-1``: the actor process comes back under the same actor id and Ray re-runs
+the calls it had in flight from the start of their items; a call returns its item's blocks all
+at once, so none is returned twice. The test learns the actor id from the ``__actor__`` column
+the Decoder emits, its pid from the GCS actor table (the session Ray has no dashboard, so no
+State API) and sends SIGKILL — a crash, not a polite shutdown.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture
 def backpressure(ray_local):
-    """A tiny object-store budget, so the actor cannot finish the epoch before it is killed."""
+    """A tiny Ray Data object-store budget (it bounds only a Ray Data execution: the pool here
+    keeps at most 2 calls in flight on its one actor, so the actor has work left when killed)."""
     from ray.data import DataContext, ExecutionResources
 
     options = DataContext.get_current().execution_options
