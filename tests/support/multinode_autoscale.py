@@ -22,10 +22,8 @@ prints one JSON line (``RESULT {...}``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.support.proctree import stop_tree
 
 REPO = Path(__file__).resolve().parents[2]
 PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
@@ -129,23 +129,7 @@ class FakeAutoscalingCluster:
         return env
 
     def stop(self) -> None:
-        import psutil
-
-        try:
-            tree = psutil.Process(self.head.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
-        for p in [*tree, self.head]:
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-        _, alive = psutil.wait_procs(tree, timeout=15)
-        for p in alive:
-            p.kill()
-        try:
-            self.head.wait(15)
-        except subprocess.TimeoutExpired:
-            self.head.kill()
-            self.head.wait(15)
+        stop_tree(self.head)
 
 
 def _driver(address: str, data: str) -> dict[str, Any]:

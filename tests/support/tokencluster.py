@@ -9,16 +9,16 @@ test to search). :meth:`TokenHead.stop` ends only that process tree, by pid: nev
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.support.proctree import stop_tree
 
 RAY_BIN = os.path.join(os.path.dirname(sys.executable), "ray")
 _AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -97,24 +97,7 @@ class TokenHead:
 
     def stop(self) -> None:
         """End this head's process tree only (its raylet, GCS, dashboard, workers, job)."""
-        import psutil
-
-        try:
-            tree = psutil.Process(self.head.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
-        for p in [*tree, self.head]:
-            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-        _, alive = psutil.wait_procs(tree, timeout=15)
-        for p in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        try:
-            self.head.wait(15)
-        except subprocess.TimeoutExpired:
-            self.head.kill()
-            self.head.wait(15)
+        stop_tree(self.head)
 
     def remove(self) -> None:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
