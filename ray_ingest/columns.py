@@ -38,6 +38,10 @@ NODE = "__node__"
 #: Ray node id of the task that read the row.
 READ_NODE = "__read_node__"
 
+#: ``decode.device: cuda``: the primary image's placement (geometry.Placement.to_list), next
+#: to its JPEG bytes, for the trainer's GPU decoder.
+PLACEMENT = "__placement__"
+
 #: Provenance carried unchanged from the read stage through decode to the batcher.
 PROVENANCE = (KEY, SHARD, INDEX, SID, SEQ, EPOCH, PAD, BUCKET)
 #: Bookkeeping dropped before a batch is assembled.

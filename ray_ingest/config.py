@@ -27,6 +27,16 @@ from ray_ingest.twintar.twin import ALIGN_MODES, DEFAULT_READ_AHEAD
 log = logging.getLogger(__name__)
 
 CROP_MODES = ("center", "random")
+DEVICES = ("cpu", "cuda")
+GPU_BACKENDS = ("auto", "nvimgcodec", "torchcodec", "torchvision")
+#: ``decode.decoders`` spec names (what each decodes: ray_ingest.decode.modalities).
+DECODER_SPECS = frozenset({"auto", "image", "rgb", "gray", "npy", "int", "text", "json",
+                           "caption", "bytes", "pickle"})
+#: webdataset's names for some of them.
+DECODER_ALIASES = {"rgb8": "rgb", "l8": "gray", "l": "gray", "txt": "text", "cls": "int",
+                   "raw": "bytes"}
+#: ``decode.resample`` modes (ray_ingest.decode.geometry).
+RESAMPLE_MODES = ("nearest", "bilinear", "none")
 ON_ERROR = ("raise", "skip")
 COMPUTE_MODES = ("auto", "actors", "tasks", "threads", "process")
 GROUP_SHARE = ("broadcast", "off")
@@ -169,6 +179,30 @@ class DecodeConfig:
     #: either way, drawn from (loader.seed, shard, index) through hashlib (never time or pid).
     sim_cost_jitter: float = attrs.field(default=0.0, validator=_at_least(0.0))
 
+    #: Decoder per modality, overriding the one its member extension picks (``auto``):
+    #: ``{depth: image, meta: bytes}``; spec names in ray_ingest.decode.modalities.SPECS
+    #: (docs/configuration.md "Decoders and roles").
+    decoders: dict[str, str] = attrs.field(factory=dict)
+    #: Resampling of an image-like modality other than ``image_modality`` when it takes the
+    #: sample's geometry: ``nearest`` (single-channel: masks, depth, labels), ``bilinear``
+    #: (colour images), or ``none`` (keep its own size, no crop or flip).
+    resample: dict[str, str] = attrs.field(factory=dict)
+    #: Flip each sample horizontally with probability 1/2 (drawn from its seed, like the crop).
+    flip: bool = False
+    #: A user hook ``fn(sample, rng, ctx) -> dict | None`` run on every decoded sample in the
+    #: decode workers: ``"package.module:function"`` (or a class, built once per worker with
+    #: ``transform_kwargs``), or a callable in the Python API (ray_ingest.decode.hook).
+    transform: Any = attrs.field(default=None)
+    #: Keyword arguments of the hook's class (or bound to its function).
+    transform_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    #: Where the primary image is decoded: ``cpu`` (the decode workers) or ``cuda`` (the
+    #: workers decide each sample's geometry and ship the JPEG bytes; the trainer decodes the
+    #: batch on its GPU: ray_ingest.loader.device_decode).
+    device: str = attrs.field(default="cpu", validator=_one_of(DEVICES))
+    #: GPU decoder of ``device: cuda``: nvImageCodec, TorchCodec, torchvision (``auto``: the
+    #: first of these installed).
+    gpu_backend: str = attrs.field(default="auto", validator=_one_of(GPU_BACKENDS))
+
     @property
     def decoded_modalities(self) -> tuple[str, ...]:
         """The image, caption and embedding modalities that are set, in that order."""
@@ -188,6 +222,38 @@ class DecodeConfig:
             parts = b.replace("_", ":").split(":")
             if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
                 raise ConfigError(f"decode.buckets: expected entries like '16:9', got {b!r}")
+        _check_decoders(self)
+
+
+def _check_decoders(dc: DecodeConfig) -> None:
+    """decode.decoders, resample and transform: known names, the right types."""
+    for section, mapping, names in (("decoders", dc.decoders, DECODER_SPECS),
+                                    ("resample", dc.resample, RESAMPLE_MODES)):
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"decode.{section}: expected a mapping of modality to name, got "
+                              f"{type(mapping).__name__}")
+        for modality, name in mapping.items():
+            key = (DECODER_ALIASES.get(name, name) if section == "decoders"
+                   and isinstance(name, str) else name)
+            if key not in names:
+                raise ConfigError(f"decode.{section}.{modality}: expected one of "
+                                  f"{', '.join(sorted(names))}, got {name!r}")
+    t = dc.transform
+    if t is not None and not callable(t) and not (isinstance(t, str) and _object_ref(t)):
+        raise ConfigError(f"decode.transform: expected 'package.module:name' or a callable, "
+                          f"got {t!r}")
+    if not isinstance(dc.transform_kwargs, Mapping):
+        raise ConfigError(f"decode.transform_kwargs: expected a mapping, got "
+                          f"{type(dc.transform_kwargs).__name__}")
+    if dc.transform_kwargs and t is None:
+        raise ConfigError("decode.transform_kwargs: set without decode.transform")
+
+
+def _object_ref(text: str) -> bool:
+    """``package.module:attr.path`` (the entry-point form) or ``package.module.attr``."""
+    mod, sep, attr = text.partition(":")
+    parts = [*mod.split("."), *(attr.split(".") if sep else [])]
+    return all(p.isidentifier() for p in parts) and (bool(sep) or len(parts) > 1)
 
 
 @attrs.frozen
@@ -302,6 +368,15 @@ class Config:
     train: TrainConfig = attrs.field(factory=TrainConfig)
 
     def __attrs_post_init__(self) -> None:
+        listed = self.data.modalities
+        for section in ("decoders", "resample"):
+            for modality in getattr(self.decode, section):
+                if modality not in listed:
+                    raise ConfigError(f"decode.{section}.{modality}: not a modality of "
+                                      f"data.modalities ({', '.join(listed)})")
+        if self.decode.device == "cuda" and self.decode.image_modality not in listed:
+            raise ConfigError(f"decode.device: cuda decodes decode.image_modality, which is "
+                              f"not in data.modalities ({', '.join(listed)})")
         if self.train.num_workers % self.train.group_size:
             raise ConfigError(
                 f"train.group_size: expected a divisor of train.num_workers "

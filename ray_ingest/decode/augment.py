@@ -1,85 +1,49 @@
-"""Image geometry: aspect-ratio buckets, shorter-side resize, center or seeded random crop.
+"""Resampling: a decoded image rendered into its output by its sample's placement.
 
-The resize computes only the pixels the crop keeps, giving the textbook
-resize-then-crop's bytes for less CPU (:func:`resize_crop`). Pure Pillow + numpy (no Ray, no
-torch). Random crops draw from a seed derived with hashlib from (run seed, epoch, shard, index),
-so a sample's crop does not depend on which actor decoded it or when.
+:func:`render` applies a :class:`~ray_ingest.decode.geometry.Placement` (resize to the cover
+size, crop, flip) computing only the pixels the crop keeps, giving the textbook
+resize-then-crop's bytes for less CPU; :func:`render_array` does the same for the other
+image-like modalities of a sample (masks and depth maps: nearest by default, any dtype).
+:func:`resize_crop` and :func:`resize_then_crop` place and render in one call (tests and the
+benchmark's baselines). Pure Pillow + numpy (no Ray, no torch).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import math
-import random
+import os
 from collections.abc import Callable
 
-import attrs
 import numpy as np
 import PIL
 from PIL import Image
 
-log = logging.getLogger(__name__)
-
-#: PiD's sharder buckets, in its tie-break order.
-ASPECT_RATIOS: tuple[tuple[int, int], ...] = (
-    (21, 9), (16, 9), (3, 2), (4, 3), (1, 1), (3, 4), (2, 3), (9, 16),
+from ray_ingest.decode.geometry import (
+    Geometry,
+    Placement,
+    bucket_shape,
+    draft_size,
+    parse_bucket,
+    place,
+    sample_seed,
 )
 
+__all__ = ["Geometry", "bucket_shape", "draft_for", "parse_bucket", "render", "render_array",
+           "resize_crop", "resize_then_crop", "sample_seed"]
 
-def nearest_bucket(width: int, height: int,
-                   choices: tuple[tuple[int, int], ...] = ASPECT_RATIOS) -> tuple[int, int]:
-    """Nearest ratio by |log(w/h) - log(W/H)|; the first wins a tie (PiD's rule)."""
-    r = math.log(width / height)
-    return min(choices, key=lambda wh: abs(r - math.log(wh[0] / wh[1])))
+log = logging.getLogger(__name__)
 
 
-def parse_bucket(name: str) -> tuple[int, int]:
-    """``"16:9"`` or ``"16_9"`` -> (16, 9)."""
-    w, h = name.replace("_", ":").split(":")
-    return int(w), int(h)
-
-
-def bucket_shape(bucket: tuple[int, int], base: int, multiple: int = 8) -> tuple[int, int]:
-    """(height, width) with area ≈ base² and the bucket's aspect, rounded to ``multiple``."""
-    w, h = bucket
-    width = base * math.sqrt(w / h)
-    height = base * math.sqrt(h / w)
-    return (max(multiple, round(height / multiple) * multiple),
-            max(multiple, round(width / multiple) * multiple))
-
-
-@attrs.frozen
-class Geometry:
-    """Target output shape and crop policy for one image."""
-
-    height: int
-    width: int
-    crop: str = "center"
-
-
-def sample_seed(seed: int, epoch: int, shard: int, index: int) -> int:
-    digest = hashlib.sha256(f"ray_ingest:crop:{seed}:{epoch}:{shard}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big")
+def _rgb(img: Image.Image) -> Image.Image:
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def _cover(img: Image.Image, geom: Geometry, rng_seed: int | None
            ) -> tuple[Image.Image, tuple[int, int], tuple[int, int, int, int]]:
     """RGB image, the size that covers ``geom`` (shorter side scaled) and the crop box in it."""
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    w, h = img.size
-    scale = max(geom.width / w, geom.height / h)
-    nw, nh = max(geom.width, round(w * scale)), max(geom.height, round(h * scale))
-    if geom.crop == "random" and rng_seed is not None:
-        rng = random.Random(rng_seed)
-        left = rng.randint(0, nw - geom.width)
-        top = rng.randint(0, nh - geom.height)
-    else:
-        left = (nw - geom.width) // 2
-        top = (nh - geom.height) // 2
-    return img, (nw, nh), (left, top, left + geom.width, top + geom.height)
+    p = place(img.size, geom, rng_seed, scalable=False)
+    return _rgb(img), p.cover, p.box
 
 
 def resize_then_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = None
@@ -87,7 +51,8 @@ def resize_then_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = No
     """The textbook transform: resize the whole image, then crop (torchvision's Resize +
     CenterCrop on a PIL image). :func:`resize_crop` gives the same bytes for less work; the
     benchmark's baselines run this, as their users would."""
-    return _whole(*_cover(img, geom, rng_seed))
+    return _flipped(_whole(*_cover(img, geom, rng_seed)),
+                    place(img.size, geom, rng_seed, scalable=False).flip)
 
 
 def _whole(img: Image.Image, size: tuple[int, int], box: tuple[int, int, int, int]
@@ -100,17 +65,60 @@ def _whole(img: Image.Image, size: tuple[int, int], box: tuple[int, int, int, in
 def resize_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = None) -> np.ndarray:
     """Resize so the image covers ``geom`` (shorter side scaled), then crop; uint8 HWC RGB.
 
-    Bit for bit :func:`resize_then_crop`, but resampling only what the crop keeps
+    Bit for bit :func:`resize_then_crop`, resampling only what the crop keeps (:func:`render`).
+    """
+    return render(_rgb(img), place(img.size, geom, rng_seed, scalable=False))
+
+
+def render(img: Image.Image, p: Placement) -> np.ndarray:
+    """An RGB image decoded at ``p.decoded`` rendered into its output: uint8 HWC.
+
+    Bit for bit resize-then-crop (bilinear), resampling only the kept pixels
     (:func:`_resize_kept`): ~10 % less resize time on the throughput bench's 512-768 px JPEGs,
     0.84x the whole Decoder's time at 1920x1080 -> 1024² (docs/operations.md). Falls back to
     the textbook path when the installed Pillow's pass order is not one this module knows
     (:func:`pass_order`).
     """
-    img, size, box = _cover(img, geom, rng_seed)
     order = pass_order()
-    if size == img.size or order is None:
-        return _whole(img, size, box)
-    return np.asarray(_resize_kept(img, size, box, order), dtype=np.uint8)
+    if p.cover == img.size or order is None:
+        return _flipped(_whole(img, p.cover, p.box), p.flip)
+    return _flipped(np.asarray(_resize_kept(img, p.cover, p.box, order), dtype=np.uint8),
+                    p.flip)
+
+
+def _flipped(arr: np.ndarray, flip: bool) -> np.ndarray:
+    return np.ascontiguousarray(arr[:, ::-1]) if flip else arr
+
+
+def render_array(arr: np.ndarray, p: Placement, resample: str = "nearest") -> np.ndarray:
+    """Another image-like modality of the sample (any size of the same aspect, any dtype, 2-D
+    or HWC) rendered by the primary image's placement: resized from its own size to
+    ``p.cover``, cropped to ``p.box``, flipped as it is. ``nearest`` keeps values (labels,
+    depth); ``bilinear`` resamples uint8 grey or RGB as the primary image is, other dtypes in
+    float32, rounded back to integer dtypes."""
+    h, w = arr.shape[:2]
+    if resample == "bilinear" and arr.dtype == np.uint8 and (arr.ndim == 2 or arr.shape[2] == 3):
+        return render(Image.fromarray(np.ascontiguousarray(arr)), p)
+    nw, nh = p.cover
+    left, top, right, bottom = p.box
+    if resample == "nearest":
+        # Pillow's nearest rule, only at the kept pixels: source = floor((x + 0.5) * w / nw)
+        xs = np.minimum(((np.arange(left, right) + 0.5) * (w / nw)).astype(np.int64), w - 1)
+        ys = np.minimum(((np.arange(top, bottom) + 0.5) * (h / nh)).astype(np.int64), h - 1)
+        out = arr[ys[:, None], xs[None, :]]
+    else:
+        chans = [arr] if arr.ndim == 2 else [arr[..., c] for c in range(arr.shape[2])]
+        planes = [np.asarray(Image.fromarray(np.ascontiguousarray(c, dtype=np.float32), "F")
+                             .resize((nw, nh), Image.BILINEAR, box=None, reducing_gap=None)
+                             .crop(p.box)) for c in chans]
+        out = planes[0] if arr.ndim == 2 else np.stack(planes, -1)
+        if np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool:
+            info = np.iinfo(arr.dtype) if arr.dtype != bool else None
+            out = np.rint(out)
+            if info is not None:
+                out = np.clip(out, info.min, info.max)
+            out = out.astype(arr.dtype)
+    return _flipped(np.ascontiguousarray(out), p.flip)
 
 
 # --- resampling only the kept pixels ------------------------------------------------------
@@ -209,17 +217,31 @@ def pass_order() -> PassOrder | None:
     return None
 
 
-def draft_size(size: tuple[int, int], geom: Geometry) -> tuple[int, int] | None:
-    """The size :func:`draft_for` asks libjpeg for, or None (no DCT scaling)."""
-    w, h = size
-    scale = max(geom.width / w, geom.height / h)
-    if scale > 0.5:
-        return None
-    return math.ceil(w * scale), math.ceil(h * scale)
+#: Freed Pillow memory blocks a process keeps for reuse (Pillow's default keeps none).
+PILLOW_BLOCKS = 16
+
+
+@functools.cache
+def pillow_block_cache() -> None:
+    """Let Pillow reuse freed image memory (its documented ``PILLOW_BLOCKS_MAX``), unless the
+    environment sets it.
+
+    Why: every resize allocates its intermediate and output images, 30-60 MB each at 4K, and
+    fresh pages cost a fault apiece. Keeping up to :data:`PILLOW_BLOCKS` freed blocks (16 MB at
+    most each) made the 3840x2160 -> 2048² resize 1.4x faster on our machine
+    (docs/benchmarks.md, "4K"), for at most that much idle memory per decoding process. Applied
+    through the setter Pillow's own environment variable calls, once per process.
+    """
+    if "PILLOW_BLOCKS_MAX" in os.environ:
+        return
+    setter = getattr(Image.core, "set_blocks_max", None)
+    if setter is not None:
+        setter(PILLOW_BLOCKS)
 
 
 def draft_for(img: Image.Image, geom: Geometry) -> None:
-    """Ask libjpeg for DCT-scaled decoding when the target is at most half the source size."""
+    """Ask libjpeg for DCT-scaled decoding when the target is at most half the source size
+    (the reduction :func:`ray_ingest.decode.geometry.draft_scale` predicts)."""
     if img.format != "JPEG":
         return
     request = draft_size(img.size, geom)

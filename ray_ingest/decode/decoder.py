@@ -1,19 +1,23 @@
-"""Decode stage: raw member bytes -> uint8 images, caption text, embedding arrays.
+"""Decode stage: raw member bytes -> every listed modality decoded, one geometry per sample.
 
-:class:`Decoder` is the callable class run by ``map_batches`` on an elastic actor pool
-(``ActorPoolStrategy(min_size, max_size)``). It is stateless across batches, so a restarted
-actor produces exactly what the dead one would have. Formats that execute code when loaded
-(pickle, torch) are refused unless the config opts in: a tar from the internet must not be
-able to run code on the training cluster.
+:class:`Decoder` is what every execution runs on a block of rows (decode actors, tasks, the
+companion process, threads, the Ray Data engine). For each sample it decides the primary
+image's :class:`~ray_ingest.decode.geometry.Placement` once, from the header and the sample's
+seed, and applies it to every image-like modality of the sample (the primary image with its
+filter, masks and depth maps nearest unless ``decode.resample`` says otherwise), decodes the
+other members by their decoders (:mod:`ray_ingest.decode.modalities`), then runs the user hook
+(:mod:`ray_ingest.decode.hook`). With ``decode.device: cuda`` the primary image is not decoded
+here: its JPEG bytes travel with their placement and the trainer decodes them on its GPU.
+
+It is stateless across blocks, so a restarted actor produces exactly what the dead one would
+have. Formats that execute code when loaded (pickle, torch) are refused unless the config opts
+in: a tar from the internet must not be able to run code on the training cluster.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import logging
-import pickle
 import re
 import time
 from typing import Any
@@ -31,6 +35,8 @@ from ray_ingest.columns import (
     INDEX,
     KEY,
     NODE,
+    PAD,
+    PLACEMENT,
     PROVENANCE,
     READ_NODE,
     SHARD,
@@ -40,76 +46,58 @@ from ray_ingest.columns import (
     ext_column,
 )
 from ray_ingest.config import DecodeConfig
+from ray_ingest.decode import hook as hooks
 from ray_ingest.decode import jpeg
 from ray_ingest.decode.augment import (
-    Geometry,
-    bucket_shape,
     draft_for,
+    pillow_block_cache,
+    render,
+    render_array,
+)
+from ray_ingest.decode.geometry import (
+    Geometry,
+    Placement,
+    bucket_shape,
+    map_size,
     parse_bucket,
-    resize_crop,
+    place,
     sample_seed,
+)
+from ray_ingest.decode.modalities import (  # noqa: F401 - re-exported (tests, notebook)
+    CAPTION_FIELDS,
+    IMAGE_EXTS,
+    IMAGE_SPECS,
+    UNSAFE_EXTS,
+    SampleError,
+    caption_text,
+    decode_value,
+    load_array,
+    open_image,
+    spec_for,
 )
 from ray_ingest.errors import IngestError, UnsafeFormatError
 from ray_ingest.metrics import running_ray
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "ppm", "pgm", "pbm", "pnm", "webp", "bmp"})
-UNSAFE_EXTS = frozenset({"pkl", "pickle", "pt", "pth"})
-CAPTION_FIELDS = ("prompt", "prompt_medium", "prompt_short", "caption", "text")
 #: Columns carried through decode unchanged.
 PASSTHROUGH = (*PROVENANCE, T_READ, BYTES, READ_NODE)
 DECODE_TIME = T_DECODE
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+#: Failures of one sample: recorded skips under ``on_error: skip``.
+SAMPLE_ERRORS = (SampleError, UnsafeFormatError, OSError, ValueError, SyntaxError, EOFError,
+                 Image.DecompressionBombError, Image.DecompressionBombWarning,
+                 UnicodeDecodeError)
+#: Skip reasons of samples a hook dropped (returned None): counted, outside the error budgets.
+FILTERED = "filtered"
 
 
-class SampleError(Exception):
-    """One sample could not be decoded (reason text names the modality and the problem)."""
+class HookError(SampleError):
+    """The user hook failed on a sample (the message names the hook)."""
 
 
-def caption_text(data: bytes, ext: str) -> str:
-    """Caption text: JSON ``prompt``, falling back to ``prompt_medium``/``prompt_short``."""
-    if ext in ("txt", "text"):
-        return data.decode("utf-8")
-    doc = json.loads(data)
-    if isinstance(doc, str):
-        return doc
-    if isinstance(doc, dict):
-        for field in CAPTION_FIELDS:
-            value = doc.get(field)
-            if isinstance(value, str) and value:
-                return value
-    raise SampleError(f"caption has none of the fields {', '.join(CAPTION_FIELDS)}")
-
-
-def load_array(data: bytes, ext: str, allow_pickle: bool) -> np.ndarray:
-    if ext in UNSAFE_EXTS:
-        if not allow_pickle:
-            raise UnsafeFormatError(
-                f".{ext} members execute code when loaded; set decode.allow_pickle: true to opt in"
-            )
-        if ext in ("pt", "pth"):
-            import torch
-
-            return np.asarray(torch.load(io.BytesIO(data), weights_only=False))
-        return np.asarray(pickle.loads(data))  # noqa: S301 - explicit opt-in
-    if ext == "npy":
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    raise SampleError(f"unsupported embedding format .{ext}")
-
-
-def _refuse_bomb(size: tuple[int, int], limit: int) -> None:
-    """Pillow's warning level of its decompression-bomb check, as an error.
-
-    Not ``warnings.catch_warnings``: its filters are the process's, and decode threads
-    (``decode.compute: threads``) entering and leaving it at once would restore each other's,
-    letting an over-limit image through. Same test and message as Pillow's.
-    """
-    pixels = max(1, size[0]) * max(1, size[1])
-    if pixels > limit:
-        raise Image.DecompressionBombWarning(
-            f"Image size ({pixels} pixels) exceeds limit of {limit} pixels, "
-            "could be decompression bomb DOS attack.")
+class Filtered(Exception):
+    """The user hook returned None: skip the sample (not an error)."""
 
 
 def sim_cost(cfg: DecodeConfig, seed: int, sid: int, index: int) -> float:
@@ -125,24 +113,42 @@ def sim_cost(cfg: DecodeConfig, seed: int, sid: int, index: int) -> float:
     return cfg.sim_cost_s * (1.0 + cfg.sim_cost_jitter * (2.0 * u - 1.0))
 
 
+def modalities_of(names) -> list[str]:
+    """The modalities of a block: every column with an extension column beside it."""
+    present = set(names)
+    return [n for n in names if ext_column(n) in present]
+
+
 class Decoder:
-    """Callable class for ``Dataset.map_batches(..., batch_format="pyarrow")``."""
+    """Callable on a block of rows (Arrow table or Python column lists): decoded numpy columns.
+
+    Args:
+        cfg: the decode settings.
+        seed: the run seed (crops, flips, the hook's RNG).
+        epoch: seeds rows without an ``__epoch__`` column (cat, tests).
+        on_error: ``raise`` or ``skip`` (a failed sample becomes a recorded skip).
+        log_skips: False where the loader's skip filter logs every skip (same process).
+    """
 
     def __init__(self, cfg: DecodeConfig, seed: int = 0, epoch: int = 0, on_error: str = "raise",
                  log_skips: bool = True):
-        # ``epoch`` seeds random crops of rows without an ``__epoch__`` column (cat, tests).
-        # ``log_skips`` false where the loader's skip filter logs every skip (same process).
         self.cfg = cfg
         self.log_skips = log_skips
         self.seed = seed
         self.epoch = epoch
         self.on_error = on_error
-        self.square = Geometry(cfg.resolution, cfg.resolution, cfg.crop)
+        self.square = Geometry(cfg.resolution, cfg.resolution, cfg.crop, cfg.flip)
         self.bucket_geoms = {
-            b.replace(":", "_"): Geometry(*bucket_shape(parse_bucket(b), cfg.resolution), cfg.crop)
+            b.replace(":", "_"): Geometry(*bucket_shape(parse_bucket(b), cfg.resolution),
+                                          cfg.crop, cfg.flip)
             for b in cfg.buckets
         }
+        #: The GPU decodes the primary image (the workers ship its bytes and placement).
+        self.compressed = cfg.device == "cuda"
+        self.hook = hooks.resolve(cfg.transform, cfg.transform_kwargs) if cfg.transform else None
+        self.hook_name = hooks.describe(cfg.transform) if cfg.transform else ""
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
+        pillow_block_cache()
         self.actor_id, self.node_id = "local", "local"
         # Only ask a Ray already running: get_runtime_context() would start (or join) one.
         ray = running_ray()
@@ -166,141 +172,252 @@ class Decoder:
             return geom
         return self.square
 
-    def _image(self, data: bytes, ext: str, geom: Geometry, rng_seed: int | None
-               ) -> np.ndarray:
+    # --- one sample ----------------------------------------------------------------------
+    def _seed(self, row: dict[str, Any], geom: Geometry) -> int | None:
+        """The sample's crop and flip seed (None when nothing is drawn)."""
+        if geom.crop != "random" and not geom.flip:
+            return None
+        epoch = row.get(EPOCH)
+        return sample_seed(self.seed, self.epoch if epoch is None else epoch, row[SID],
+                           row[INDEX])
+
+    def _primary(self, data: bytes, ext: str, geom: Geometry, seed: int | None
+                 ) -> tuple[Any, Placement]:
+        """The primary image rendered by its placement (or, for the GPU, its JPEG bytes)."""
         if ext not in IMAGE_EXTS:
             if ext in UNSAFE_EXTS and not self.cfg.allow_pickle:
                 raise UnsafeFormatError(
                     f".{ext} members execute code when loaded; "
-                    "set decode.allow_pickle: true to opt in"
-                )
+                    "set decode.allow_pickle: true to opt in")
             raise SampleError(f"unsupported image format .{ext}")
-        img = None
-        if ext in ("jpg", "jpeg") and jpeg.usable():
-            # the same bytes as below, holding the GIL less (ray_ingest.decode.jpeg)
-            img = jpeg.decode(data, geom, self.cfg.max_image_pixels)
-        if img is None:
-            img = Image.open(io.BytesIO(data))  # DecompressionBombError beyond 2x the limit
-            _refuse_bomb(img.size, self.cfg.max_image_pixels)
-            draft_for(img, geom)
-            img.load()
-        return resize_crop(img, geom, rng_seed)
+        limit = self.cfg.max_image_pixels
+        hdr = jpeg.header(data) if ext in ("jpg", "jpeg") else None
+        if hdr is not None and hdr.simple and hdr.size[0] * hdr.size[1] <= limit:
+            p = place(hdr.size, geom, seed, scalable=True)
+            if self.compressed:  # the trainer's GPU decodes it, in this placement
+                return data, p
+            arr = jpeg.decode(data, hdr, p.scale, limit)
+            if arr is not None:
+                return _render_rgb(arr, p), p
+        img = open_image(data, limit)
+        p = place(img.size, geom, seed, scalable=img.format == "JPEG")
+        draft_for(img, geom)
+        img.load()
+        return render(img if img.mode == "RGB" else img.convert("RGB"), p), p
 
-    def decode_row(self, row: dict[str, Any]) -> dict[str, Any]:
+    def _other(self, modality: str, data: bytes | None, ext: str | None,
+               placement: Placement | None) -> Any:
+        """Any modality but the primary image, decoded by its spec; images placed."""
         cfg = self.cfg
-        out: dict[str, Any] = {}
-        for modality in cfg.decoded_modalities:
+        if modality == cfg.caption_modality:
+            return "" if data is None else decode_value(data, ext or "", "caption", False, 0)
+        if data is None:  # an optional modality this sample lacks
+            return None
+        if modality == cfg.embedding_modality:
+            return load_array(data, ext or "", cfg.allow_pickle)
+        spec = spec_for(ext, cfg.decoders.get(modality, "auto"))
+        value = decode_value(data, ext or "", spec, cfg.allow_pickle, cfg.max_image_pixels)
+        if spec not in IMAGE_SPECS or placement is None:
+            return value
+        mode = cfg.resample.get(modality) or ("bilinear" if value.ndim == 3 else "nearest")
+        if mode == "none":
+            return value
+        size = (value.shape[1], value.shape[0])
+        if not map_size(size, placement.source):
+            raise SampleError(
+                f"{modality}: {size[0]}x{size[1]} cannot be mapped onto the "
+                f"{cfg.image_modality} ({placement.source[0]}x{placement.source[1]}): another "
+                f"aspect ratio (decode.resample.{modality}: none keeps it unplaced)")
+        return render_array(value, placement, mode)
+
+    def decode_row(self, row: dict[str, Any], modalities: list[str] | None = None
+                   ) -> dict[str, Any]:
+        """One sample's fields: every modality decoded, then the hook's changes."""
+        cfg = self.cfg
+        modalities = modalities_of(list(row)) if modalities is None else modalities
+        for modality in modalities:
             data = row.get(modality)
             if data is not None and len(data) > cfg.max_member_bytes:
                 raise SampleError(
                     f"{modality}: member of {len(data)} bytes exceeds decode.max_member_bytes "
                     f"({cfg.max_member_bytes})"
                 )
-        if cfg.image_modality is not None:
-            data = row[cfg.image_modality]
-            if data is None:
-                raise SampleError(f"{cfg.image_modality}: missing member")
-            geom = self.geometry(row.get(BUCKET) or "")
-            seed = None
-            if geom.crop == "random":  # a center crop draws nothing
-                epoch = row.get(EPOCH)
-                seed = sample_seed(self.seed, self.epoch if epoch is None else epoch, row[SID],
-                                   row[INDEX])
-            ext = row[ext_column(cfg.image_modality)]
-            out[cfg.image_modality] = self._image(data, ext, geom, seed)
-        if cfg.caption_modality is not None:
-            data = row[cfg.caption_modality]
-            out[cfg.caption_modality] = "" if data is None else caption_text(
-                data, row[ext_column(cfg.caption_modality)])
-        if cfg.embedding_modality is not None:
-            data = row.get(cfg.embedding_modality)
-            out[cfg.embedding_modality] = None if data is None else load_array(
-                data, row[ext_column(cfg.embedding_modality)], cfg.allow_pickle)
-        return out
-
-    def placeholder(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Output of a skipped sample: right shapes, zero content, never delivered to training."""
-        cfg = self.cfg
         out: dict[str, Any] = {}
-        if cfg.image_modality is not None:
+        placement = None
+        primary = cfg.image_modality
+        if primary is not None and primary in row:
+            data = row[primary]
+            if data is None:
+                raise SampleError(f"{primary}: missing member")
             geom = self.geometry(row.get(BUCKET) or "")
-            out[cfg.image_modality] = np.zeros((geom.height, geom.width, 3), np.uint8)
-        if cfg.caption_modality is not None:
-            out[cfg.caption_modality] = ""
-        if cfg.embedding_modality is not None:
-            out[cfg.embedding_modality] = None
+            out[primary], placement = self._primary(data, row[ext_column(primary)], geom,
+                                                    self._seed(row, geom))
+        for m in modalities:
+            if m != primary:
+                out[m] = self._other(m, row.get(m), row.get(ext_column(m)), placement)
+        if self.hook is not None:
+            out = self._transform(out, row, placement)
+        if placement is not None and self.compressed:
+            out[PLACEMENT] = np.asarray(placement.to_list(), dtype=np.int64)
         return out
 
+    def _transform(self, fields: dict[str, Any], row: dict[str, Any],
+                   placement: Placement | None) -> dict[str, Any]:
+        epoch = row.get(EPOCH)
+        ctx = hooks.SampleContext(
+            key=str(row.get(KEY, "")), shard=str(row.get(SHARD, "")), index=int(row[INDEX]),
+            epoch=self.epoch if epoch is None else int(epoch), repeat=int(bool(row.get(PAD))),
+            seed=self.seed, placement=placement)
+        try:
+            result = hooks.call(self.hook, dict(fields), ctx)
+        except Exception as exc:
+            text = " ".join(str(exc).split())
+            raise HookError(f"transform {self.hook_name} failed: {type(exc).__name__}: "
+                            f"{text}") from None
+        if result is None:
+            raise Filtered(f"{FILTERED}: transform {self.hook_name} returned None")
+        if not isinstance(result, dict):
+            raise HookError(f"transform {self.hook_name} returned a {type(result).__name__}, "
+                            f"expected a dict of fields or None")
+        return {_field_name(self.hook_name, k): _plain(v) for k, v in result.items()}
+
+    # --- a block -------------------------------------------------------------------------
     def __call__(self, batch: pa.Table | dict[str, list[Any]]) -> dict[str, np.ndarray]:
         # CPU seconds of this thread (decode_cpu_s): on a busy node wall time would count the
         # time other processes held the cores
         t0 = time.thread_time()
         if isinstance(batch, pa.Table):
             rows = batch.to_pylist()
+            names = batch.column_names
         else:  # Python column lists (ray_ingest.execution.read.read_item(arrow=False))
             names = list(batch)
             rows = [dict(zip(names, values, strict=True))
                     for values in zip(*batch.values(), strict=True)]
-        decoded: list[dict[str, Any]] = []
+        modalities = modalities_of(names)
+        decoded: list[dict[str, Any] | None] = []
         errors: list[str] = []
         sleep = 0.0
         for row in rows:
             if row.get(ERROR):  # the read task already gave up on this sample
-                decoded.append(self.placeholder(row))
+                decoded.append(None)
                 errors.append(row[ERROR])
                 continue
             try:
-                decoded.append(self.decode_row(row))
+                decoded.append(self.decode_row(row, modalities))
                 errors.append("")
                 if self.cfg.sim_cost_s:
                     sleep += sim_cost(self.cfg, self.seed, row[SID], row[INDEX])
-            except (SampleError, UnsafeFormatError, OSError, ValueError, SyntaxError, EOFError,
-                    Image.DecompressionBombError, Image.DecompressionBombWarning,
-                    UnicodeDecodeError) as exc:
-                reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-                # "<_io.BytesIO object at 0x7f…>": the same text every run
-                reason = _ADDRESS.sub("", reason)
-                where = (f"shard {row.get(SHARD)} key {row.get(KEY)} "
-                         f"index {row.get(INDEX)}")
-                if self.on_error == "raise":
-                    raise IngestError(f"{where}: cannot decode: {reason}") from None
-                if self.log_skips:
-                    log.warning("skip %s: %s", where, reason)
-                decoded.append(self.placeholder(row))
-                errors.append(reason)
+            except Filtered as exc:
+                log.debug("shard %s key %s index %s: %s", row.get(SHARD), row.get(KEY),
+                          row.get(INDEX), exc)
+                decoded.append(None)
+                errors.append(str(exc))
+            except SAMPLE_ERRORS as exc:
+                decoded.append(None)
+                errors.append(self._failed(row, exc))
         if sleep:  # benchmarks only: the block's simulated cost in one sleep (no CPU, no GIL)
             time.sleep(sleep)
-        out = self.assemble(rows, decoded, errors)
+        out = self.assemble(rows, decoded, errors, modalities)
         out[DECODE_TIME] = np.full(len(rows), (time.thread_time() - t0) / max(len(rows), 1))
         return out
 
-    def assemble(self, rows: list[dict[str, Any]], decoded: list[dict[str, Any]],
-                 errors: list[str]) -> dict[str, np.ndarray]:
-        cfg = self.cfg
+    def _failed(self, row: dict[str, Any], exc: BaseException) -> str:
+        """The skip reason of a failed sample, or its one-line error under ``raise``."""
+        reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        # "<_io.BytesIO object at 0x7f…>": the same text every run
+        reason = _ADDRESS.sub("", reason)
+        where = f"shard {row.get(SHARD)} key {row.get(KEY)} index {row.get(INDEX)}"
+        if self.on_error == "raise":
+            raise IngestError(f"{where}: cannot decode: {reason}") from None
+        if self.log_skips:
+            log.warning("skip %s: %s", where, reason)
+        return reason
+
+    def assemble(self, rows: list[dict[str, Any]], decoded: list[dict[str, Any] | None],
+                 errors: list[str], modalities: list[str] | None = None
+                 ) -> dict[str, np.ndarray]:
+        """Numpy columns: provenance, then every field (stacked where shapes agree); a block
+        whose samples were all skipped has its modalities' columns, of placeholders."""
         n = len(rows)
         out: dict[str, np.ndarray] = {}
         for col in PASSTHROUGH:
             if rows and col in rows[0]:
                 values = [r[col] for r in rows]
                 out[col] = np.array(values, dtype=object if isinstance(values[0], str) else None)
-        if cfg.image_modality is not None:
-            images = [d[cfg.image_modality] for d in decoded]
-            shapes = {im.shape for im in images}
-            if len(shapes) <= 1:
-                out[cfg.image_modality] = (np.stack(images) if images
-                                           else np.zeros((0, 1, 1, 3), np.uint8))
-            else:
-                arr = np.empty(n, dtype=object)
-                arr[:] = images
-                out[cfg.image_modality] = arr
-        if cfg.caption_modality is not None:
-            captions = [d[cfg.caption_modality] for d in decoded]
-            out[cfg.caption_modality] = np.array(captions, dtype=object)
-        if cfg.embedding_modality is not None:
-            arr = np.empty(n, dtype=object)
-            arr[:] = [d[cfg.embedding_modality] for d in decoded]
-            out[cfg.embedding_modality] = arr
+        names: dict[str, None] = {}
+        primary = self.cfg.image_modality
+        if primary is not None and rows and primary in rows[0] and not self.compressed:
+            names[primary] = None  # kept even when every sample of the block was skipped
+        for d in decoded:
+            if d is not None:
+                names.update(dict.fromkeys(d))
+        if all(d is None for d in decoded):
+            names.update(dict.fromkeys(modalities or ()))
+        for name in names:
+            values = [_SKIPPED if d is None else d.get(name, _MISSING) for d in decoded]
+            fill = None
+            if name == primary and not self.compressed:
+                geom = self.geometry(rows[0].get(BUCKET) or "")
+                fill = np.zeros((geom.height, geom.width, 3), np.uint8)
+            out[name] = column(values, fill)
         out[ERROR] = np.array(errors, dtype=object)
         out[ACTOR] = np.array([self.actor_id] * n, dtype=object)
         out[NODE] = np.array([self.node_id] * n, dtype=object)
         return out
+
+
+#: Placeholders of :func:`column`: a skipped sample's value, a field a sample lacks.
+_SKIPPED = object()
+_MISSING = object()
+
+
+def column(values: list[Any], fill: np.ndarray | None = None) -> np.ndarray:
+    """One field of a block: arrays of one shape and dtype stacked (a skipped sample's row
+    zeros, or ``fill``'s), numbers as a numeric array, anything else an object array (a lacking
+    or skipped sample's value None)."""
+    real = [v for v in values if v is not _SKIPPED]
+    if not real and fill is not None:
+        real = [fill]
+    if real and not any(v is _MISSING for v in real):
+        first = real[0]
+        if isinstance(first, np.ndarray) and all(
+                isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype
+                for v in real):
+            out = np.zeros((len(values), *first.shape), first.dtype)
+            for i, v in enumerate(values):
+                if v is not _SKIPPED:
+                    out[i] = v
+            return out
+        if all(isinstance(v, (bool, int, float, np.number, np.bool_)) for v in real):
+            kinds = {type(v) for v in real}
+            dtype = bool if kinds <= {bool, np.bool_} else None
+            return np.array([0 if v is _SKIPPED else v for v in values], dtype=dtype)
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = [None if v is _SKIPPED or v is _MISSING else v for v in values]
+    return arr
+
+
+def _render_rgb(arr: np.ndarray, p: Placement) -> np.ndarray:
+    """A decoded RGB array rendered by its placement: by slicing when it needs no resize."""
+    h, w = arr.shape[:2]
+    if p.cover == (w, h):
+        left, top, right, bottom = p.box
+        out = arr[top:bottom, left:right]
+        return np.ascontiguousarray(out[:, ::-1] if p.flip else out)
+    return render(Image.frombuffer("RGB", (w, h), arr, "raw", "RGB", 0, 1), p)
+
+
+def _field_name(hook_name: str, name: Any) -> str:
+    if not isinstance(name, str) or not name or name.startswith("__"):
+        raise HookError(f"transform {hook_name} returned the field {name!r}: field names are "
+                        f"non-empty strings not starting with '__' (reserved for provenance)")
+    return name
+
+
+def _plain(value: Any) -> Any:
+    """A hook's value in the forms blocks carry: torch tensors and PIL images as numpy."""
+    if isinstance(value, Image.Image):
+        return np.asarray(value)
+    if type(value).__module__ == "torch" and hasattr(value, "numpy"):
+        return value.detach().cpu().numpy()
+    return value
