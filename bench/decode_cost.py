@@ -5,8 +5,8 @@ target rate R samples/s are ``R × cost_s``, per GPU ``R_gpu × cost_s``. Runs t
 :class:`ray_ingest.decode.decoder.Decoder` in this process (no Ray), on synthetic JPEGs
 (``ray_ingest.tools.synth.make_image``: gradients plus noise blocks, quality 90; natural photos of
 the same size usually cost more to entropy-decode, so treat the figures as a lower bound). The
-``Image.open`` column is the same Decoder opening JPEGs with Pillow's Python parser instead of
-``ray_ingest.decode.jpeg``; ``whole`` also resizes the whole image before it crops (the textbook
+``Image.open`` column is the same Decoder decoding JPEGs with Pillow (``Image.open`` + draft)
+instead of simplejpeg (``ray_ingest.decode.jpeg``); ``whole`` also resizes the whole image before it crops (the textbook
 transform, ``augment.resize_then_crop``). All three give the same bytes.
 
     .venv/bin/python bench/decode_cost.py [--images 8] [--repetitions 3]
@@ -34,7 +34,7 @@ from ray_ingest.tools.synth import (
 )
 from ray_ingest.twintar.twin import ext_column
 
-#: Timed paths, interleaved: the Decoder as configured (JPEG headers parsed by
+#: Timed paths, interleaved: the Decoder as configured (simplejpeg through
 #: ray_ingest.decode.jpeg, kept-pixel resize); JPEGs through ``Image.open`` instead; and the
 #: textbook path (``Image.open``, whole resize, then crop).
 MODES = ("default", "Image.open", "whole")
@@ -66,13 +66,12 @@ def main(argv: list[str] | None = None) -> int:
                 for i, data in enumerate(images)]
         dec.decode_row(rows[0])  # warm-up
         augment.pass_order()
-        jpeg.usable()
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         for rep in range(args.repetitions):
             for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-                real_order, real_jpeg = augment.pass_order, jpeg.usable
+                real_order, real_jpeg = augment.pass_order, jpeg.decode
                 if mode != "default":  # JPEGs through Image.open
-                    jpeg.usable = lambda: False
+                    jpeg.decode = lambda *a: None
                 if mode == "whole":  # the textbook path: resize the whole image, then crop
                     augment.pass_order = lambda: None
                 try:
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         out = dec.decode_row(row)
                     times[mode].append((time.perf_counter() - t0) / len(rows))
                 finally:
-                    augment.pass_order, jpeg.usable = real_order, real_jpeg
+                    augment.pass_order, jpeg.decode = real_order, real_jpeg
         cost, opened, whole = (statistics.median(times[mode]) for mode in MODES)
         shape = out["image"].shape
         print(f"{label:45s} out {shape[1]}x{shape[0]}  {cost * 1000:7.1f} ms/sample  "

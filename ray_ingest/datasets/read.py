@@ -119,24 +119,23 @@ def _default_decode(modalities: Sequence[str]) -> DecodeConfig:
 
 
 class _DecodeColumns:
-    """``ray_ingest.decode.decoder.Decoder`` (the loader's decode) keeping the public columns."""
+    """``ray_ingest.decode.decoder.Decoder`` (the loader's decode): the provenance columns, then
+    every modality decoded and every field the hook adds (raw bytes and extensions dropped)."""
 
     def __init__(self, cfg: DecodeConfig, seed: int):
         from ray_ingest.decode.decoder import Decoder
 
         self.decoder = Decoder(cfg, seed=seed, on_error="raise")
-        self.decoded = cfg.decoded_modalities
 
     def __call__(self, batch: pa.Table) -> dict[str, Any]:
+        from ray_ingest.columns import BOOKKEEPING, PLACEMENT
+
         out = self.decoder(batch)
-        result: dict[str, Any] = {}
-        for name in batch.column_names:
-            if name == _SID:
-                continue
-            if name in self.decoded:
-                result[name] = out[name]
-            elif not (name.endswith("__ext") and name[: -len("__ext")] in self.decoded):
-                result[name] = batch.column(name).to_numpy(zero_copy_only=False)
+        result: dict[str, Any] = {name: batch.column(name).to_numpy(zero_copy_only=False)
+                                  for name in PROVENANCE}
+        for name, col in out.items():
+            if name not in result and name not in BOOKKEEPING and name not in (PLACEMENT, _SID):
+                result[name] = col
         return result
 
 
@@ -183,6 +182,7 @@ def read_twin_tars(
     index_path: str | None = None,
     use_index: bool = True,
     decode: bool | DecodeConfig = False,
+    transform: Any = None,
     seed: int = 0,
     block_rows: int = 64,
     storage_options: Mapping[str, Any] | None = None,
@@ -212,9 +212,14 @@ def read_twin_tars(
         decode: True or a :class:`~ray_ingest.config.DecodeConfig`: decode with the loader's
             :class:`~ray_ingest.decode.decoder.Decoder` on an autoscaling actor pool
             (``pool_min..pool_max`` actors; ``compute="tasks"``: at most ``pool_max`` tasks).
-            Decoded columns replace the raw ones: image -> uint8 ``(H, W, 3)`` tensor column,
-            caption -> str, embedding -> the ``.npy`` array; other modalities keep their bytes.
-            True picks ``image``/``caption``/``umt5`` from ``modalities`` with defaults.
+            Decoded columns replace the raw ones, every modality by its decoder
+            (``DecodeConfig.decoders``; by extension: image -> uint8 ``(H, W, 3)``, a 16-bit
+            depth PNG -> uint16 ``(H, W)``, caption -> str, ``.npy`` -> the array, ``.cls`` ->
+            int, anything else its bytes), image-like modalities in the image's geometry, then
+            ``DecodeConfig.transform``'s fields. True picks ``image``/``caption``/``umt5``
+            roles from ``modalities`` with defaults.
+        transform: a user hook (``"package.module:function"`` or a callable,
+            :mod:`ray_ingest.decode.hook`) run on every decoded sample; implies ``decode``.
         seed: seed of random crops when decoding (``DecodeConfig.crop="random"``).
         block_rows: rows per Arrow block yielded by a read task.
         storage_options: fsspec options (``token``, ``project``, ``endpoint_url``).
@@ -238,7 +243,9 @@ def read_twin_tars(
                        index_path=index_path, storage_options=so)
     catalog = load_catalog(paths, modalities=mods, storage_options=so)
     units = _shard_units(catalog, _leaves(paths, so))
-    cfg = _decode_config(decode, catalog.modalities)
+    cfg = _decode_config(decode or transform is not None, catalog.modalities)
+    if transform is not None:
+        cfg = attrs.evolve(cfg, transform=transform)
     source = TwinTarDatasource(_tasks(units, override_num_blocks), opts, block_rows=block_rows,
                                schema=_schema(catalog.modalities, with_sid=cfg is not None))
     ds = ray.data.read_datasource(

@@ -88,7 +88,8 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 SAMPLE_ERRORS = (SampleError, UnsafeFormatError, OSError, ValueError, SyntaxError, EOFError,
                  Image.DecompressionBombError, Image.DecompressionBombWarning,
                  UnicodeDecodeError)
-#: Skip reasons of samples a hook dropped (returned None): counted, outside the error budgets.
+#: Skip reasons of samples a hook dropped (returned None): counted, outside the error budgets
+#: (ray_ingest.loader.skips).
 FILTERED = "filtered"
 
 

@@ -31,7 +31,29 @@ def _rows(block: Block) -> int:
 
 
 def concat(parts: list[Block]) -> Block:
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    """The rows of ``parts`` in order, column by column (every column of any part)."""
+    n = [_rows(p) for p in parts]
+    keys = dict.fromkeys(k for p in parts for k in p)
+    return {k: _concat_column([p.get(k) for p in parts], n) for k in keys}
+
+
+def _concat_column(cols: list[np.ndarray | None], n: list[int]) -> np.ndarray:
+    """One column of several blocks: concatenated where every block has it with one dtype and
+    row shape (stacked arrays, numbers); else an object array of the rows (a block without the
+    column: None), e.g. one block's stacked masks next to another's list of varying shapes."""
+    present = [c for c in cols if c is not None]
+    if len(present) == len(cols) and all(
+            c.dtype == present[0].dtype and c.shape[1:] == present[0].shape[1:]
+            for c in present):
+        return present[0].copy() if len(present) == 1 else np.concatenate(present)
+    out = np.empty(sum(n), dtype=object)
+    i = 0
+    for c, rows in zip(cols, n, strict=True):
+        if c is not None:
+            for j in range(rows):
+                out[i + j] = c[j]
+        i += rows
+    return out
 
 
 class BucketBatcher:

@@ -1,19 +1,28 @@
-"""Conversion to torch: a batch's numpy columns -> a :class:`Batch` of tensors on the device.
+"""Conversion to torch: a batch's numpy columns -> a :class:`Batch` on the device.
 
-Images (and fixed-shape embeddings) become tensors, pinned and copied with ``non_blocking``
-when the device is a GPU; keys, captions and provenance stay Python lists (the default Ray
-collate fails on strings, ray_notes §7).
+Every field of the rows (every listed modality and every field a hook added) is in
+``Batch.data`` under its name: arrays of one shape and dtype (per batch, i.e. per bucket) and
+numbers become tensors, pinned and copied with ``non_blocking`` when the device is a GPU;
+anything else (text, JSON documents, bytes, arrays of varying shapes) stays a Python list
+(the default Ray collate fails on strings, ray_notes §7). Optional modalities carry presence
+(``Batch.present``). With ``decode.device: cuda`` the primary image arrives as JPEG bytes and
+placements, which the loader's device decoder turns into a tensor before the batch is handed
+out (:mod:`ray_ingest.loader.device_decode`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
-from ray_ingest.columns import INDEX, KEY, PAD, SID
+from ray_ingest.columns import BOOKKEEPING, INDEX, KEY, PAD, PLACEMENT, PROVENANCE, SEQ, SID
 from ray_ingest.config import DecodeConfig
+
+#: Columns that are not sample fields.
+NOT_FIELDS = frozenset({*PROVENANCE, *BOOKKEEPING, SEQ, PLACEMENT})
 
 
 @attrs.define
@@ -33,39 +42,66 @@ class Batch:
     step_in_epoch: int
     #: Samples skipped (on_error=skip) and accounted with this batch: (shard id, index, reason).
     skipped: list[tuple[int, int, str]] = attrs.field(factory=list)
+    #: Per optional modality (``data.optional_modalities``): which rows have it.
+    present: dict[str, list[bool]] = attrs.field(factory=dict)
 
     def __getitem__(self, name: str) -> Any:
         return self.data[name]
 
 
-def _on_accelerator(device: Any) -> bool:
+def on_accelerator(device: Any) -> bool:
     return device is not None and getattr(device, "type", str(device)) != "cpu"
 
 
-def to_batch(cols: dict[str, np.ndarray], cfg: DecodeConfig, device: Any, *, bucket: str,
-             epoch: int, step: int) -> Batch:
-    """Tensors for the image (and fixed-shape embedding) columns; lists for the rest."""
+def stackable(col: np.ndarray) -> np.ndarray | None:
+    """The column as one numeric array (rows stacked), or None where it is not one: an object
+    column of arrays of one shape and dtype, or of plain numbers, is stacked."""
+    if col.dtype != object:
+        return col
+    values = list(col)
+    if not values:
+        return None
+    first = values[0]
+    if isinstance(first, np.ndarray) and first.dtype != object and all(
+            isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype
+            for v in values):
+        return np.stack(values)
+    if all(isinstance(v, (bool, int, float, np.number, np.bool_)) for v in values):
+        return np.asarray(values)
+    return None
+
+
+def to_tensor(arr: np.ndarray, device: Any) -> Any:
+    """A numeric array as a tensor on ``device`` (through pinned memory to a GPU)."""
     import torch
 
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    if on_accelerator(device):
+        t = t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def to_batch(cols: dict[str, np.ndarray], cfg: DecodeConfig, device: Any, *, bucket: str,
+             epoch: int, step: int, optional: Sequence[str] = (),
+             skip: Sequence[str] = ()) -> Batch:
+    """Tensors for the stackable fields, lists for the rest (see module docstring).
+
+    ``skip``: fields left out of ``data`` (the device decoder fills them in).
+    """
     data: dict[str, Any] = {}
-    tensor_keys = [k for k in (cfg.image_modality,) if k is not None]
-    if cfg.embedding_modality is not None and cols.get(cfg.embedding_modality) is not None:
-        emb = cols[cfg.embedding_modality]
-        if emb.dtype != object:
-            tensor_keys.append(cfg.embedding_modality)
+    for name, col in cols.items():
+        if name in NOT_FIELDS or name in skip:
+            continue
+        arr = stackable(col) if name != cfg.caption_modality else None
+        if arr is not None and arr.dtype.kind in "biuf":
+            data[name] = to_tensor(arr, device)
         else:
-            data[cfg.embedding_modality] = list(emb)
-    for k in tensor_keys:
-        arr = cols[k]
-        if arr.dtype == object:
-            arr = np.stack(list(arr))
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-        if _on_accelerator(device):
-            t = t.pin_memory().to(device, non_blocking=True)
-        data[k] = t
+            data[name] = [_item(v) for v in col]
     captions = None
     if cfg.caption_modality is not None and cfg.caption_modality in cols:
         captions = [str(c) for c in cols[cfg.caption_modality]]
+        data[cfg.caption_modality] = captions
+    present = {m: [v is not None for v in cols[m]] for m in optional if m in cols}
     return Batch(
         data=data,
         sample_keys=[str(k) for k in cols[KEY]],
@@ -76,4 +112,12 @@ def to_batch(cols: dict[str, np.ndarray], cfg: DecodeConfig, device: Any, *, buc
         bucket=bucket,
         epoch=epoch,
         step_in_epoch=step,
+        present=present,
     )
+
+
+def _item(v: Any) -> Any:
+    """A list element as plain Python where it is a numpy scalar or string."""
+    if isinstance(v, np.generic):
+        return v.item()
+    return v

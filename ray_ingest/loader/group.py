@@ -186,10 +186,12 @@ def _first_line(exc: BaseException) -> str:
 
 # --- the wire format -------------------------------------------------------------------------
 def encode_batch(batch: Batch, positions: Sequence[int]) -> tuple[dict[str, Any], list[Any]]:
-    """A batch as a JSON-able header and the tensors that follow it.
+    """A batch as a JSON-able header and the tensors that follow it (no pickle).
 
-    Tensors travel as they are (on the device under NCCL). Lists of numpy arrays (variable-shape
-    embeddings) travel as one uint8 tensor each, with their dtype and shape in the header.
+    Tensors travel as they are (on the device under NCCL). A list field travels element by
+    element: numpy arrays (variable-shape embeddings, masks) and bytes as one uint8 tensor
+    each, with their dtype and shape in the header; text, numbers, JSON documents and None
+    inline in the header.
     """
     import torch
 
@@ -200,19 +202,38 @@ def encode_batch(batch: Batch, positions: Sequence[int]) -> tuple[dict[str, Any]
             fields.append([name, "tensor", str(value.dtype).removeprefix("torch."),
                            list(value.shape)])
             tensors.append(value.contiguous())
-        else:
-            arrays = [np.ascontiguousarray(a) for a in value]
-            fields.append([name, "arrays", [[a.dtype.str, list(a.shape)] for a in arrays]])
-            tensors.extend(torch.from_numpy(a.reshape(-1).view(np.uint8).copy())
-                           for a in arrays)
+            continue
+        entries: list[list[Any]] = []
+        for i, v in enumerate(value):
+            if isinstance(v, np.ndarray) and v.dtype != object:
+                a = np.ascontiguousarray(v)
+                entries.append(["a", a.dtype.str, list(a.shape)])
+                tensors.append(torch.from_numpy(a.reshape(-1).view(np.uint8).copy()))
+            elif isinstance(v, (bytes, bytearray, memoryview)):
+                entries.append(["b", len(v)])
+                tensors.append(torch.frombuffer(bytearray(v), dtype=torch.uint8)
+                               if len(v) else torch.empty(0, dtype=torch.uint8))
+            else:
+                _check_json(v, name, i)
+                entries.append(["j", v])
+        fields.append([name, "list", entries])
     header = {
         "epoch": batch.epoch, "step": batch.step_in_epoch, "bucket": batch.bucket,
         "sample_keys": batch.sample_keys, "captions": batch.captions, "sids": batch.sids,
         "indices": batch.indices, "pads": batch.pads,
-        "skipped": [list(s) for s in batch.skipped],
+        "skipped": [list(s) for s in batch.skipped], "present": batch.present,
         "positions": [int(p) for p in positions], "fields": fields,
     }
     return header, tensors
+
+
+def _check_json(value: Any, name: str, row: int) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise GroupError(f"group share: batch field {name!r} row {row} is a "
+                         f"{type(value).__name__}, which travels to the group only as an array, "
+                         f"bytes, text, a number or a JSON document") from None
 
 
 def decode_batch(header: dict[str, Any], tensors: list[Any], device: Any = None
@@ -225,14 +246,23 @@ def decode_batch(header: dict[str, Any], tensors: list[Any], device: Any = None
         if form == "tensor":
             t = next(it)
             data[name] = t if device is None or t.device == _device(device) else t.to(device)
-        else:
-            data[name] = [np.frombuffer(next(it).cpu().numpy().tobytes(), dtype=np.dtype(dt))
-                          .reshape(shape) for dt, shape in field[2]]
+            continue
+        values: list[Any] = []
+        for entry in field[2]:
+            if entry[0] == "a":
+                values.append(np.frombuffer(next(it).cpu().numpy().tobytes(),
+                                            dtype=np.dtype(entry[1])).reshape(entry[2]))
+            elif entry[0] == "b":
+                values.append(next(it).cpu().numpy().tobytes())
+            else:
+                values.append(entry[1])
+        data[name] = values
     batch = Batch(data=data, sample_keys=list(header["sample_keys"]), captions=header["captions"],
                   sids=list(header["sids"]), indices=list(header["indices"]),
                   pads=list(header["pads"]), bucket=header["bucket"], epoch=header["epoch"],
                   step_in_epoch=header["step"],
-                  skipped=[(int(a), int(b), str(c)) for a, b, c in header["skipped"]])
+                  skipped=[(int(a), int(b), str(c)) for a, b, c in header["skipped"]],
+                  present={k: list(v) for k, v in header.get("present", {}).items()})
     return batch, list(header["positions"])
 
 
@@ -248,10 +278,13 @@ def tensor_specs(header: dict[str, Any]) -> list[tuple[str, list[int]]]:
     for field in header["fields"]:
         if field[1] == "tensor":
             specs.append((field[2], field[3]))
-        else:
-            for dt, shape in field[2]:
-                specs.append(("uint8", [int(np.prod(shape, dtype=np.int64))
-                                        * np.dtype(dt).itemsize]))
+            continue
+        for entry in field[2]:
+            if entry[0] == "a":
+                specs.append(("uint8", [int(np.prod(entry[2], dtype=np.int64))
+                                        * np.dtype(entry[1]).itemsize]))
+            elif entry[0] == "b":
+                specs.append(("uint8", [int(entry[1])]))
     return specs
 
 

@@ -320,7 +320,7 @@ class IngestLoader:
         t0 = time.perf_counter()
         positions, skipped = self.skips.drain()
         batch = to_batch(cols, self.cfg.decode, self.device, bucket=bucket, epoch=plan.epoch,
-                         step=step)
+                         step=step, optional=self.cfg.data.optional_modalities)
         batch.skipped = skipped
         clock.transfer += time.perf_counter() - t0
         return batch, [*cols[SEQ].tolist(), *positions]

@@ -1,6 +1,9 @@
 """Skip filter: takes samples the read or decode stage gave up on (``on_error=skip``) out of the
 stream, logs and counts them by kind, and enforces the skip budgets.
 
+Samples a user hook dropped (kind ``filtered``) go the same way, counted and recorded, but they
+are no failure: they stay outside the budgets and are logged at debug level.
+
 A skipped sample is *consumed* with the next batch delivered after it (its stream position and
 ``(shard id, index, reason)`` go into the read state then), so a run stopped in between skips it
 again after resuming — the same skip, the same budget. No Ray, no torch.
@@ -22,6 +25,8 @@ from ray_ingest.loader.stateful import require
 log = logging.getLogger(__name__)
 
 Skip = tuple[int, int, str]  # (shard id, index, reason)
+#: The kind of a sample a user hook dropped (ray_ingest.decode.decoder.FILTERED).
+FILTERED = "filtered"
 
 
 def skip_kind(reason: str) -> str:
@@ -67,9 +72,10 @@ class SkipFilter:
         self.epoch, skips = require(state, "SkipFilter", "epoch", "skips")
         self.accounted = tuple((int(a), int(b), str(c)) for a, b, c in skips)
         self.pending = []
-        self._in_epoch = len(self.accounted)
+        failed = [s for s in self.accounted if skip_kind(s[2]) != FILTERED]
+        self._in_epoch = len(failed)
         self._in_shard = {}
-        for sid, _, _ in self.accounted:
+        for sid, _, _ in failed:
             self._in_shard[sid] = self._in_shard.get(sid, 0) + 1
 
     def start_epoch(self, epoch: int) -> None:
@@ -89,9 +95,12 @@ class SkipFilter:
             self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
             if self.on_skip is not None:
                 self.on_skip(kind)
-            log.warning("rank %d: skip shard %s key %s index %d: %s", self.rank,
-                        self.shard_name(sid), block[KEY][i] or "?", idx, reason)
+            log.log(logging.DEBUG if kind == FILTERED else logging.WARNING,
+                    "rank %d: skip shard %s key %s index %d: %s", self.rank,
+                    self.shard_name(sid), block[KEY][i] or "?", idx, reason)
             self.pending.append((int(block[SEQ][i]), (sid, idx, reason)))
+            if kind == FILTERED:
+                continue
             self._in_epoch += 1
             self._in_shard[sid] = self._in_shard.get(sid, 0) + 1
             self._check_budget(sid, reason)

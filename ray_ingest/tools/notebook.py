@@ -159,6 +159,24 @@ class Sample:
                 text += " (unreadable)"
         return text
 
+    def decoded(self, decode: Any = None, seed: int = 0) -> Decoded:
+        """The sample as the loader decodes it (every modality, one geometry, the hook):
+        ``decode`` is a :class:`~ray_ingest.config.DecodeConfig` (default: its defaults)."""
+        from ray_ingest.columns import BUCKET, INDEX, KEY, SHARD, SID, ext_column
+        from ray_ingest.config import DecodeConfig
+        from ray_ingest.decode.decoder import Decoder
+
+        cfg = decode or DecodeConfig(image_modality=self.image_modality,
+                                     caption_modality=self.caption_modality)
+        cols: dict[str, list[Any]] = {KEY: [self.key], SHARD: [self.shard], INDEX: [self.index],
+                                      SID: [0], BUCKET: [self.bucket.replace(NO_BUCKET, "")]}
+        for m, member in self.members.items():
+            cols[m] = [None if member is None else member[1]]
+            cols[ext_column(m)] = [None if member is None else member[0]]
+        block = Decoder(cfg, seed=seed)(cols)
+        fields = {k: v[0] for k, v in block.items() if not k.startswith("__")}
+        return Decoded(self.key, fields, cfg.image_modality)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (no payloads)."""
         return {"key": self.key, "shard": self.shard, "index": self.index,
@@ -202,6 +220,80 @@ class Sample:
 
     def _repr_html_(self) -> str:
         return self._cell_html(thumb=256, caption_chars=10_000, details=True)
+
+
+#: Colours of mask classes 1.. in overlays (class 0 stays clear).
+_PALETTE = np.array([(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200),
+                     (245, 130, 48), (145, 30, 180), (70, 240, 240), (240, 50, 230)], np.uint8)
+#: An integer map with at most this many distinct values is drawn as a mask over the image.
+MASK_CLASSES = 32
+
+
+def _png_uri(arr: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(arr)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@attrs.frozen
+class Decoded:
+    """A decoded sample: every field, the image-like ones drawn beside the image (a mask over
+    it in colour, a depth map or any other 2-D array in grey, scaled to its range)."""
+
+    key: str
+    fields: Mapping[str, Any]
+    image_modality: str | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def panels(self) -> list[tuple[str, np.ndarray]]:
+        """(title, uint8 RGB or grey picture) per image-like field, the image first."""
+        image = self.fields.get(self.image_modality) if self.image_modality else None
+        out: list[tuple[str, np.ndarray]] = []
+        if isinstance(image, np.ndarray) and image.ndim == 3:
+            out.append((self.image_modality, image))
+        for name, value in self.fields.items():
+            if name == self.image_modality or not isinstance(value, np.ndarray):
+                continue
+            if value.ndim == 3 and value.shape[2] == 3 and value.dtype == np.uint8:
+                out.append((name, value))
+            elif value.ndim == 2 and value.dtype.kind in "biuf" and value.size:
+                classes = np.unique(value)
+                if (value.dtype.kind in "bui" and len(classes) <= MASK_CLASSES and len(out)
+                        and out[0][1].shape[:2] == value.shape):
+                    out.append((f"{name} over {out[0][0]}", _overlay(out[0][1], value)))
+                else:
+                    v = value.astype(np.float64)
+                    lo, hi = float(v.min()), float(v.max())
+                    grey = np.zeros(v.shape, np.uint8) if hi <= lo else np.round(
+                        (v - lo) / (hi - lo) * 255).astype(np.uint8)
+                    out.append((f"{name} ({value.dtype}, {lo:g}..{hi:g})", grey))
+        return out
+
+    def _repr_html_(self) -> str:
+        from ray_ingest.tools.summary import describe
+
+        figs = "".join(
+            f'<figure style="margin:0"><img src="{_png_uri(pic)}" alt="{html.escape(t)}" '
+            f'style="max-width:256px;display:block"/><figcaption style="font-size:11px">'
+            f"{html.escape(t)}</figcaption></figure>" for t, pic in self.panels())
+        rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(describe(v)))}"
+                       f"</td></tr>" for k, v in self.fields.items())
+        return (f'<div class="ri-decoded" data-key="{html.escape(self.key)}">'
+                f'<div style="display:flex;gap:10px">{figs}</div>'
+                f'<table style="font-size:11px">{rows}</table></div>')
+
+
+def _overlay(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Mask classes 1.. blended over the image (half opacity); class 0 leaves it as it is."""
+    colours = _PALETTE[(mask.astype(np.int64) - 1) % len(_PALETTE)]
+    out = image.astype(np.float32)
+    on = mask != 0
+    out[on] = 0.5 * out[on] + 0.5 * colours[on]
+    return out.astype(np.uint8)
 
 
 def _human(n: int) -> str:

@@ -21,6 +21,7 @@ from ray_ingest.catalog.discovery import check_roots
 from ray_ingest.catalog.discovery import discover as discover_wdinfos
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.catalog.shard import DEFAULT_MODALITIES
+from ray_ingest.columns import SID
 from ray_ingest.catalog.wdinfo import (
     read_wdinfo,
 )
@@ -186,6 +187,41 @@ def record(row: Mapping[str, Any], modalities: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def describe(value: Any) -> Any:
+    """A decoded value as ``cat --decode`` shows it: arrays by dtype and shape, the rest by
+    type and a short view."""
+    import numpy as np
+
+    if value is None:
+        return None
+    if isinstance(value, np.ndarray):
+        out: dict[str, Any] = {"dtype": str(value.dtype), "shape": list(value.shape)}
+        if value.size and value.dtype.kind in "biuf":
+            out["min"], out["max"] = value.min().item(), value.max().item()
+        return out
+    if isinstance(value, (bool, int, float, np.number)):
+        return {"type": type(value).__name__, "value": value.item()
+                if isinstance(value, np.generic) else value}
+    if isinstance(value, str):
+        return {"type": "str", "chars": len(value), "text": value[:60]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"type": "bytes", "bytes": len(value)}
+    if isinstance(value, dict):
+        return {"type": "dict", "keys": sorted(map(str, value))[:12]}
+    return {"type": type(value).__name__}
+
+
+def decoded_record(row: Mapping[str, Any], decoder: Any) -> dict[str, Any]:
+    """``{"key", "shard", "index", <field>: describe(value)}``: the row through ``decoder`` (every
+    modality, then the hook's fields); a failure is the decoder's one-line IngestError."""
+    block = decoder({k: [v] for k, v in row.items()})
+    out: dict[str, Any] = {"key": row[KEY], "shard": row[SHARD], "index": row[INDEX]}
+    for name, col in block.items():
+        if not name.startswith("__"):
+            out[name] = describe(col[0])
+    return out
+
+
 def iter_records(
     paths: str | Sequence[str],
     modalities: Sequence[str] | None = None,
@@ -197,6 +233,7 @@ def iter_records(
     stats: AlignStats | None = None,
     storage_options: Mapping[str, Any] | None = None,
     root: str = "wdinfo",
+    decoder: Any = None,
 ) -> Iterator[dict[str, Any]]:
     """Records of every sample of the datasets under ``paths``, in catalog order.
 
@@ -211,6 +248,8 @@ def iter_records(
         stats: alignment counters to update (merge/index skips).
         storage_options: fsspec options.
         root: ``wdinfo`` (the wdinfo's root) or ``folder`` (the folder holding it).
+        decoder: a :class:`~ray_ingest.decode.decoder.Decoder`: records of decoded fields
+            (:func:`decoded_record`) instead of member sizes and digests.
     """
     if limit is not None and limit <= 0:
         return
@@ -220,9 +259,10 @@ def iter_records(
     opts = ReadOptions(align=align, optional=tuple(optional), index_path=index_path,
                        storage_options=dict(storage_options or {}))
     n = 0
-    for shard in catalog.shards:
+    for sid, shard in enumerate(catalog.shards):
         for row in read_shard(shard, opts=opts, stats=stats):
-            yield record(row, shard.modalities)
+            yield (record(row, shard.modalities) if decoder is None
+                   else decoded_record({**row, SID: sid}, decoder))
             n += 1
             if limit is not None and n >= limit:
                 return

@@ -6,7 +6,12 @@ Every sample is a pure function of ``(seed, index)`` and the size/aspect setting
   from a seeded aspect ratio and long side in ``[min_side, max_side]``;
 * ``caption``: JSON ``{"prompt", "prompt_medium", "prompt_short"}`` built from a small
   vocabulary (the long prompt states the image size);
-* ``umt5``: an ``.npy`` float16 array of shape ``(L, 64)``, ``L`` in ``[8, 64]``.
+* ``umt5``: an ``.npy`` float16 array of shape ``(L, 64)``, ``L`` in ``[8, 64]``;
+* ``mask``: an 8-bit PNG at the image's size, 0 outside the noise blocks and ``k`` inside the
+  ``k``-th (pixel-aligned with ``image``: a segmentation mask);
+* ``depth``: a 16-bit PNG at half the image's size (rounded up): a smooth ramp, nearer (smaller)
+  inside the blocks (a depth map at another resolution);
+* ``label``: ``.cls``, the number of noise blocks.
 
 Samples are written through :mod:`ray_ingest.twintar.writer` like ``ray-ingest shard`` output, so
 the same arguments give byte-identical tars. Keys are ``s{index:08d}``.
@@ -42,7 +47,8 @@ from ray_ingest.twintar.layout import (
 from ray_ingest.twintar.writer import Members
 
 #: Modalities synth can generate, and their member extension.
-MODALITY_EXT: dict[str, str] = {"image": "jpg", "caption": "json", "umt5": "npy"}
+MODALITY_EXT: dict[str, str] = {"image": "jpg", "caption": "json", "umt5": "npy",
+                                 "mask": "png", "depth": "png", "label": "cls"}
 DEFAULT_MODALITIES = ("image", "caption")
 #: Width of the synthetic text embedding.
 EMBED_DIM = 64
@@ -130,6 +136,14 @@ def make_image(spec: SampleSpec, seed: int, quality: int = JPEG_QUALITY) -> byte
     """JPEG bytes: a two-axis colour gradient plus 1-4 seeded noise blocks."""
     from PIL import Image
 
+    img, _ = _layers(spec, seed)
+    buf = io.BytesIO()
+    Image.fromarray(img, "RGB").save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _layers(spec: SampleSpec, seed: int) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """The image's pixels and its noise blocks ``(x, y, w, h)``, in drawing order."""
     rng = _rng(seed, spec.index, "image")
     w, h = spec.width, spec.height
     c = rng.integers(0, 256, size=(3, 3)).astype(np.float32)
@@ -137,15 +151,47 @@ def make_image(spec: SampleSpec, seed: int, quality: int = JPEG_QUALITY) -> byte
     ys = np.linspace(0.0, 1.0, h, dtype=np.float32)[:, None, None]
     img = c[0] + (c[1] - c[0]) * xs + (c[2] - c[0]) * ys
     img = np.clip(img, 0, 255).astype(np.uint8)
+    blocks = []
     for _ in range(int(rng.integers(1, 5))):
         bw = int(rng.integers(1, max(2, w // 2)))
         bh = int(rng.integers(1, max(2, h // 2)))
         x = int(rng.integers(0, w - bw + 1))
         y = int(rng.integers(0, h - bh + 1))
         img[y : y + bh, x : x + bw] = rng.integers(0, 256, size=(bh, bw, 3), dtype=np.uint8)
+        blocks.append((x, y, bw, bh))
+    return img, blocks
+
+
+def _png(arr: np.ndarray) -> bytes:
+    from PIL import Image
+
     buf = io.BytesIO()
-    Image.fromarray(img, "RGB").save(buf, format="JPEG", quality=quality)
+    Image.fromarray(np.ascontiguousarray(arr)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def make_mask(spec: SampleSpec, seed: int) -> bytes:
+    """8-bit PNG: 0 outside the image's noise blocks, ``k`` in the ``k``-th (later on top)."""
+    _, blocks = _layers(spec, seed)
+    mask = np.zeros((spec.height, spec.width), np.uint8)
+    for k, (x, y, bw, bh) in enumerate(blocks, start=1):
+        mask[y : y + bh, x : x + bw] = k
+    return _png(mask)
+
+
+def make_depth(spec: SampleSpec, seed: int) -> bytes:
+    """16-bit PNG at half the image's size: a ramp from near (top) to far, blocks nearer."""
+    _, blocks = _layers(spec, seed)
+    w, h = spec.width, spec.height
+    depth = np.broadcast_to(np.linspace(20000, 60000, h)[:, None], (h, w)).copy()
+    for k, (x, y, bw, bh) in enumerate(blocks, start=1):
+        depth[y : y + bh, x : x + bw] = 4000 * k
+    return _png(depth[::2, ::2].astype(np.uint16))
+
+
+def make_label(spec: SampleSpec, seed: int) -> bytes:
+    """``.cls``: the number of noise blocks."""
+    return str(len(_layers(spec, seed)[1])).encode()
 
 
 def make_caption(spec: SampleSpec, seed: int) -> bytes:
@@ -170,7 +216,8 @@ def make_embedding(spec: SampleSpec, seed: int) -> bytes:
     return buf.getvalue()
 
 
-_MAKERS = {"image": make_image, "caption": make_caption, "umt5": make_embedding}
+_MAKERS = {"image": make_image, "caption": make_caption, "umt5": make_embedding,
+           "mask": make_mask, "depth": make_depth, "label": make_label}
 
 
 def make_sample(
@@ -234,7 +281,8 @@ def synth_dataset(
         seed: everything derives from it (and the other arguments).
         min_side, max_side: range of the images' long side, in pixels.
         aspect_ratios: (W, H) ratios drawn uniformly per sample.
-        modalities: subset of ``image``, ``caption``, ``umt5``; the first drives alignment.
+        modalities: subset of :data:`MODALITY_EXT` (``image``, ``caption``, ``umt5``, ``mask``,
+            ``depth``, ``label``); the first drives alignment.
         classify_aspect_ratio: write ``aspect_ratio_W_H/`` leaves (nearest of
             :data:`~ray_ingest.twintar.writer.ASPECT_RATIOS`), one wdinfo.json each.
         part_size: shards per ``part_XXXXXX`` folder (0: flat ``{id:08d}.tar``).

@@ -100,6 +100,29 @@ def test_synth_info_cat(tmp_path, capsys):
     assert recs[4]["shard"] == "part_000000/000001.tar"
 
 
+def test_cat_decode_prints_dtypes_and_shapes(tmp_path, capsys):
+    out = tmp_path / "mm"
+    rc, _, _ = run(capsys, "synth", out, "--samples", "4", "--shard-size", "2", "--modalities",
+                   "image,caption,mask,depth,label", "--min-side", "96", "--max-side", "128")
+    assert rc == 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {{paths: [{out}], modalities: [image, caption, mask, depth, label]}}\n"
+                   "decode: {resolution: 48, crop: random, transform: "
+                   "'tests.support.hooks:Scale', transform_kwargs: {factor: 2}}\n")
+    rc, text, _ = run(capsys, "cat", out, "--limit", "2", "--config", cfg)
+    assert rc == 0
+    recs = records(text)
+    assert [r["key"] for r in recs] == ["s00000000", "s00000001"]
+    for r in recs:
+        assert r["image"]["dtype"] == "uint8" and r["image"]["shape"] == [48, 48, 3]
+        assert r["depth"]["dtype"] == "uint16" and r["depth"]["shape"] == [48, 48]
+        assert r["mask"]["dtype"] == "uint8" and r["mask"]["shape"] == [48, 48]
+        assert r["label"]["type"] == "int64" and r["caption"]["type"] == "str"
+        assert r["scaled_label"]["value"] == 2 * r["label"]["value"]  # the hook's field
+    rc, text, _ = run(capsys, "cat", out, "--limit", "1", "--decode")
+    assert records(text)[0]["image"]["shape"] == [256, 256, 3]
+
+
 def test_cat_merge_prints_stats(tmp_path, capsys):
     wd = write_twin(tmp_path, {SHARD: {"image": ["a", "b", "c", "d"],
                                        "caption": ["b", "a", "x", "d", "d"]}})

@@ -183,6 +183,37 @@ def test_decoded_columns_come_from_the_loader_decoder(ray_local, buckets):
         np.testing.assert_array_equal(r["image"], t["image"])
 
 
+def test_every_modality_and_the_hook_as_decoded_columns(ray_local, tmp_path):
+    """The loader's decoders and hook in read_twin_tars: depth uint16 and mask aligned with the
+    image, label an int, the hook's fields, the same values as the Decoder gives directly."""
+    import ray_ingest
+    from ray_ingest.config import DecodeConfig
+    from ray_ingest.decode.decoder import Decoder
+    from tests.decode.test_modalities import block
+    from tests.support import multimodal
+
+    multimodal.write_dataset(tmp_path, samples=10, shard_size=5)
+    cfg = DecodeConfig(resolution=24, crop="random", pool_min=1, pool_max=1, num_cpus=0.25)
+    ctx = __import__("ray").data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    try:
+        rows = ray_ingest.read_twin_tars(str(tmp_path), decode=cfg, seed=3,
+                                         transform="tests.support.hooks:draws", **RAY).take_all()
+    finally:
+        ctx.execution_options.preserve_order = False
+    assert [r["__key__"] for r in rows] == [f"k{i:05d}" for i in range(10)]
+    direct = Decoder(attrs.evolve(cfg, transform="tests.support.hooks:draws"), seed=3)(
+        block(range(10), __epoch__=[0] * 10, __sid__=[i // 5 for i in range(10)],
+              __index__=[i % 5 for i in range(10)], __shard__=["part_000000/000000.tar"] * 10))
+    for i, r in enumerate(rows):
+        assert r["depth"].dtype == np.uint16 and r["depth"].shape == (24, 24)
+        assert multimodal.alignment(r["image"], r["depth"], r["mask"]) > 0.95
+        assert int(r["label"]) == i and r["caption"] == f"sample {i}"
+        assert "depth__ext" not in r and "__error__" not in r
+        np.testing.assert_array_equal(r["image"], direct["image"][i])
+        np.testing.assert_array_equal(r["rng_draw"], direct["rng_draw"][i])
+
+
 # --------------------------------------------------------------------------- writing
 
 

@@ -303,5 +303,11 @@ def test_notebook_executes(tmp_path, monkeypatch):
     for bucket, n, mean, longest in rows:
         assert int(n) == len(want[bucket]) and int(longest) == max(want[bucket])
         assert float(mean) == pytest.approx(sum(want[bucket]) / len(want[bucket]), abs=1e-5)
+    # a decoded multimodal sample: the image, its mask over it and its depth map, every field
+    mm = _html(nb, "multimodal")
+    assert 'data-key="s00000002"' in mm and mm.count("data:image/png;base64,") == 3
+    assert "mask over image" in mm and "depth (uint16" in mm
+    for field in ("caption", "label", "&#x27;shape&#x27;: [192, 192]"):
+        assert field in mm
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
