@@ -21,10 +21,10 @@ from ray_ingest.catalog.discovery import check_roots
 from ray_ingest.catalog.discovery import discover as discover_wdinfos
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.catalog.shard import DEFAULT_MODALITIES
-from ray_ingest.columns import SID
 from ray_ingest.catalog.wdinfo import (
     read_wdinfo,
 )
+from ray_ingest.columns import SID
 from ray_ingest.errors import CatalogError
 from ray_ingest.twintar.fsio import same_place
 from ray_ingest.twintar.reader import (
