@@ -6,8 +6,9 @@ target rate R samples/s are ``R × cost_s``, per GPU ``R_gpu × cost_s``. Runs t
 (``ray_ingest.tools.synth.make_image``: gradients plus noise blocks, quality 90; natural photos of
 the same size usually cost more to entropy-decode, so treat the figures as a lower bound). The
 ``Image.open`` column is the same Decoder decoding JPEGs with Pillow (``Image.open`` + draft)
-instead of simplejpeg (``ray_ingest.decode.jpeg``); ``whole`` also resizes the whole image before it crops (the textbook
-transform, ``augment.resize_then_crop``). All three give the same bytes.
+instead of simplejpeg (``ray_ingest.decode.jpeg``); ``whole`` also resizes the whole image
+before it crops (the textbook transform, ``augment.resize_then_crop``). All three give the
+same bytes.
 
     .venv/bin/python bench/decode_cost.py [--images 8] [--repetitions 3]
 """
