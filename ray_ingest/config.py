@@ -374,6 +374,9 @@ class Config:
                 if modality not in listed:
                     raise ConfigError(f"decode.{section}.{modality}: not a modality of "
                                       f"data.modalities ({', '.join(listed)})")
+        if self.decode.device == "cuda" and not self.train.use_gpu:
+            raise ConfigError("decode.device: cuda decodes on the trainers' GPUs, so it needs "
+                              "train.use_gpu: true (got false)")
         if self.decode.device == "cuda" and self.decode.image_modality not in listed:
             raise ConfigError(f"decode.device: cuda decodes decode.image_modality, which is "
                               f"not in data.modalities ({', '.join(listed)})")

@@ -42,11 +42,20 @@ from ray_ingest.decode.augment import (
 TASKS_IN_FLIGHT_PER_ACTOR = 2
 
 
+#: Bytes of a high-quality JPEG per output pixel (about 2.4 bits), the estimate of a
+#: ``decode.device: cuda`` sample, which travels compressed (a 3840x2160 photo ~3 MB).
+JPEG_BYTES_PER_PIXEL = 0.3
+
+
 def decoded_sample_bytes(cfg: DecodeConfig) -> int:
-    """Bytes of one decoded image (uint8 RGB) at the largest configured output shape."""
+    """Bytes of one decoded image (uint8 RGB) at the largest configured output shape; with
+    ``decode.device: cuda``, of its JPEG (estimated), which is what travels."""
     shapes = [(cfg.resolution, cfg.resolution)]
     shapes += [bucket_shape(parse_bucket(b), cfg.resolution) for b in cfg.buckets]
-    return max(h * w * 3 for h, w in shapes) if cfg.image_modality is not None else 0
+    if cfg.image_modality is None:
+        return 0
+    pixels = max(h * w for h, w in shapes)
+    return int(pixels * JPEG_BYTES_PER_PIXEL) if cfg.device == "cuda" else pixels * 3
 
 
 def block_rows(cfg: Config) -> int:

@@ -44,6 +44,9 @@ class Batch:
     skipped: list[tuple[int, int, str]] = attrs.field(factory=list)
     #: Per optional modality (``data.optional_modalities``): which rows have it.
     present: dict[str, list[bool]] = attrs.field(factory=dict)
+    #: ``decode.device: cuda``: the CUDA event of the GPU decode the train loop's stream waits
+    #: for before using the batch (ray_ingest.loader.device_decode.handover).
+    ready: Any = attrs.field(default=None, repr=False, eq=False)
 
     def __getitem__(self, name: str) -> Any:
         return self.data[name]

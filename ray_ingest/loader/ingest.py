@@ -26,7 +26,7 @@ import numpy as np
 
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.load import load_catalog
-from ray_ingest.columns import ERROR, SEQ
+from ray_ingest.columns import ERROR, PLACEMENT, SEQ
 from ray_ingest.config import Config
 from ray_ingest.decode.sizing import block_rows
 from ray_ingest.errors import ConfigError
@@ -50,6 +50,7 @@ from ray_ingest.loader.collate import (
     Batch,
     to_batch,
 )
+from ray_ingest.loader.device_decode import handover
 from ray_ingest.loader.group import (
     GroupShare,
     follow,
@@ -96,12 +97,16 @@ class IngestLoader:
             pipeline and sends its batches, the others receive them and build no pipeline.
         node_pipelines: pipelines decoding on this rank's node, its own among them (the
             job passes its ranks per node): decode threads share the node's cores.
+        image_decoder: with ``decode.device: cuda``, what decodes the primary image here
+            (default: a :class:`~ray_ingest.loader.device_decode.DeviceDecoder` on ``device``,
+            which must be a CUDA device); tests pass one on the CPU.
     """
 
     def __init__(self, cfg: Config, topology: Topology, catalog: Catalog | None = None,
                  state: ReadState | None = None, device: Any = None, start_index: int = 0,
                  start_epoch: int = 0, open_execution: Opener | None = None,
-                 share: GroupShare | None = None, node_pipelines: int = 1):
+                 share: GroupShare | None = None, node_pipelines: int = 1,
+                 image_decoder: Any = None):
         import torch  # noqa: F401 - imported here, not on the first batch of the hot path
 
         if topology.group_size > 1 and not cfg.loader.ordered:
@@ -112,6 +117,16 @@ class IngestLoader:
         if share is not None and topology.group_size == 1:
             raise ConfigError("IngestLoader share: a group share needs train.group_size > 1")
         self.cfg, self.topology, self.device, self.share = cfg, topology, device, share
+        #: Decodes the primary image on the trainer's GPU (``decode.device: cuda``; a group's
+        #: followers receive decoded batches and need none).
+        self.device_decoder = image_decoder
+        if (cfg.decode.device == "cuda" and image_decoder is None
+                and (share is None or share.leader)):
+            from ray_ingest.loader.device_decode import DeviceDecoder, check_device
+
+            check_device(device)
+            self.device_decoder = DeviceDecoder(device, gpu_backend=cfg.decode.gpu_backend,
+                                                max_image_pixels=cfg.decode.max_image_pixels)
         self.catalog = catalog or load_catalog(list(cfg.data.paths),
                                                modalities=cfg.data.modalities,
                                                storage_options=cfg.data.storage_options,
@@ -244,9 +259,9 @@ class IngestLoader:
                             block_rows=block_rows(self.cfg) if strict else None,
                             max_items=lc.max_planned_items,
                             first_rows=lc.batch_size if strict else None)
-        # A group leader produces one batch ahead in a helper thread: its waits there are not
-        # the train loop's (that one is timed where it takes each batch).
-        ahead = self.share is not None
+        # A group leader, and a GPU decoder, produce one batch ahead in a helper thread: its
+        # waits there are not the train loop's (that one is timed where it takes each batch).
+        ahead = self.share is not None or self.device_decoder is not None
         return EpochWindow(plans, self.executions_of, exact=strict, ordered=lc.ordered,
                            clock=self._ahead_clock if ahead else self.clock,
                            on_stats=self._keep_stats,
@@ -265,10 +280,17 @@ class IngestLoader:
         elif self.share is not None:  # a leader: made one ahead, the loop's waits timed here
             ahead = lead(self.share, self._made(plan, window), epoch)
             made = timed(ahead, self._waited)
+        elif self.device_decoder is not None:  # the GPU decodes one batch ahead of the step
+            ahead = Handoff(self._made(plan, window), None, ahead=True,
+                            name="ray_ingest-gpu-decode")
+            made = timed(ahead, self._waited)
         else:  # the window times the waits
             made = self._made(plan, window)
         try:
             for batch, consumed in made:
+                if batch.ready is not None:  # the GPU decode's event: this stream waits on it
+                    handover(batch.data[self.cfg.decode.image_modality], batch.ready)
+                    batch.ready = None
                 if plan is None:
                     self.skips.count(batch.skipped)
                 self.progress.deliver(consumed, batch.skipped)  # only now is it consumed
@@ -319,8 +341,17 @@ class IngestLoader:
               clock: StageClock) -> tuple[Batch, list[int]]:
         t0 = time.perf_counter()
         positions, skipped = self.skips.drain()
+        primary = self.cfg.decode.image_modality
+        gpu = self.device_decoder is not None and PLACEMENT in cols
         batch = to_batch(cols, self.cfg.decode, self.device, bucket=bucket, epoch=plan.epoch,
-                         step=step, optional=self.cfg.data.optional_modalities)
+                         step=step, optional=self.cfg.data.optional_modalities,
+                         skip=(primary,) if gpu else ())
+        if gpu:
+            batch.data[primary], batch.ready = self.device_decoder(list(cols[primary]),
+                                                                   cols[PLACEMENT])
+            if self.share is not None and batch.ready is not None:
+                batch.ready.synchronize()  # broadcast from the helper thread: decoded first
+                batch.ready = None
         batch.skipped = skipped
         clock.transfer += time.perf_counter() - t0
         return batch, [*cols[SEQ].tolist(), *positions]
@@ -340,7 +371,9 @@ class IngestLoader:
 
     def metrics(self) -> dict[str, Any]:
         """Stage timings and counters collected so far (see docs/observability)."""
-        return {**self.clock.to_dict(), "decode_compute": self.compute,
+        gpu = {} if self.device_decoder is None else {
+            "device_decode": self.device_decoder.stats()}
+        return {**self.clock.to_dict(), **gpu, "decode_compute": self.compute,
                 "actors_seen": len(self.actors_seen), "executions": self.executions,
                 "head_start_rows": self.executions_of.head_rows,
                 "decode_nodes": dict(self.decode_nodes), "read_nodes": dict(self.read_nodes),
