@@ -188,9 +188,11 @@ def make_backend(name: str, device: Any) -> Backend:
             return {"nvimgcodec": NvImageCodec, "torchcodec": TorchCodec,
                     "torchvision": Torchvision}[n](device)
         except Exception as exc:  # not installed, or no usable GPU for it
-            reasons.append(f"{n}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-    raise ConfigError(f"decode.gpu_backend: no GPU JPEG decoder available ({'; '.join(reasons)}); "
-                      f"install ray_ingest[gpu] (nvidia-nvimgcodec-cu12) or set decode.device: cpu")
+            first = (str(exc).splitlines() or [""])[0]
+            reasons.append(f"{n}: {type(exc).__name__}: {first}")
+    raise ConfigError(f"decode.gpu_backend: no GPU JPEG decoder available "
+                      f"({'; '.join(reasons)}); install ray_ingest[gpu] "
+                      f"(nvidia-nvimgcodec-cu12) or set decode.device: cpu")
 
 
 class PinnedStaging:
