@@ -357,6 +357,11 @@ def add_data_args(p: argparse.ArgumentParser, data: str, samples: int, epochs: i
     p.add_argument("--shard-size", type=int, default=100)
     p.add_argument("--min-side", type=int, default=512)
     p.add_argument("--max-side", type=int, default=768)
+    p.add_argument("--aspect-ratios", default=None,
+                   help="W:H list the synthesized images draw from (default: PiD's buckets)")
+    p.add_argument("--photo", action="store_true",
+                   help="synthesize photo-like images (smooth colour fields and texture: "
+                        "~3 MB per 3840x2160 JPEG) instead of gradients and noise blocks")
     p.add_argument("--res", type=int, default=224, help="output side (center crop)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--epochs", type=int, default=epochs, help="epochs per run")
@@ -408,11 +413,16 @@ def apply_sets(items: list[str]) -> None:
 
 def ensure_dataset(args: argparse.Namespace) -> None:
     """Synthesize ``args.data`` unless it holds a dataset (reused as it is otherwise)."""
-    from ray_ingest.tools.synth import synth_dataset
+    from ray_ingest.tools.synth import parse_aspect_ratios, synth_dataset
 
     if not os.path.exists(os.path.join(args.data, "wdinfo.json")):
+        extra = {}
+        if getattr(args, "aspect_ratios", None):
+            extra["aspect_ratios"] = parse_aspect_ratios(args.aspect_ratios)
         synth_dataset(args.data, samples=args.samples, shard_size=args.shard_size, seed=0,
-                      min_side=args.min_side, max_side=args.max_side, overwrite=True)
+                      min_side=args.min_side, max_side=args.max_side, overwrite=True,
+                      image_style="photo" if getattr(args, "photo", False) else "blocks",
+                      num_workers=os.cpu_count() or 1, **extra)
 
 
 def uses_ray_data(names: list[str]) -> bool:

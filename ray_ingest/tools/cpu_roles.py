@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 TRAINER = "trainer"
 ACCOUNTING = "accounting (this sampler)"
@@ -86,6 +87,8 @@ class ProcStat:
     cpu_s: float
     #: cutime + cstime: ended children this process waited for, seconds.
     child_cpu_s: float = 0.0
+    #: Resident set size, bytes.
+    rss: int = 0
 
     @property
     def key(self) -> tuple[int, int]:
@@ -98,7 +101,8 @@ def parse_stat(pid: int, text: str, cmd: str = "") -> ProcStat:
     f = text[text.rfind(")") + 2:].split()
     return ProcStat(pid=pid, ppid=int(f[1]), start=int(f[19]), comm=comm, cmd=cmd,
                     cpu_s=(int(f[11]) + int(f[12])) / TICK,
-                    child_cpu_s=(int(f[13]) + int(f[14])) / TICK)
+                    child_cpu_s=(int(f[13]) + int(f[14])) / TICK,
+                    rss=int(f[21]) * PAGE if len(f) > 21 else 0)
 
 
 def read_proc(pid: int, proc: str = "/proc", cmd: bool = True) -> ProcStat | None:
@@ -223,6 +227,7 @@ class _Seen:
     prev_t: float
     titles: list[str] = attrs.Factory(list)
     ended_t: float | None = None  # first sample that no longer found it
+    peak_rss: int = 0
 
 
 class Tracker:
@@ -254,6 +259,7 @@ class Tracker:
                 continue
             s.prev_cpu, s.prev_t = s.last.cpu_s, s.last_t
             s.last, s.last_t = p, t
+            s.peak_rss = max(s.peak_rss, p.rss)
             s.ended_t = None
             for title in _titles(p, from_comm=not s.titles):
                 if title not in s.titles:
@@ -261,6 +267,14 @@ class Tracker:
         for key, s in self.seen.items():
             if key not in now and s.ended_t is None:
                 s.ended_t = t
+
+    def peak_rss(self, trainer_pid: int) -> dict[str, int]:
+        """The largest resident set any one process of each role reached, in bytes."""
+        out: dict[str, int] = {}
+        for key, role in self.roles(trainer_pid).items():
+            s = self.seen[key]
+            out[role] = max(out.get(role, 0), s.peak_rss, s.last.rss)
+        return out
 
     def growth(self) -> dict[tuple[int, int], float]:
         """CPU-s each member used in the interval (up to its last sample)."""
@@ -383,6 +397,8 @@ class Account:
     snapshots: int
     #: CPU-s the whole machine was busy (every user's processes: the noise of a shared box).
     machine_busy_s: float
+    #: Peak resident set of one process of each role, bytes.
+    peak_rss: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -522,7 +538,8 @@ class Sampler:
         self._account = Account(wall_s=wall, roles=roles, threads=split,
                                 titles=tracker.titles(), ended=ended,
                                 est_missed_s=missed, snapshots=tracker.snapshots,
-                                machine_busy_s=busy1 - busy0)
+                                machine_busy_s=busy1 - busy0,
+                                peak_rss=tracker.peak_rss(self.root))
 
     def _scan(self) -> list[ProcStat]:
         """The tree's processes now: known members re-read, new pids placed by their ppid."""
@@ -658,7 +675,10 @@ def run_line(acc: Account | Mapping, samples: int) -> str:
     parts = ", ".join(f"{k} {per[k]:.2f}" for k in sorted(a.roles, key=_role_order)
                       if per[k] >= 0.005)
     ours = sum(a.roles.values())
+    rss = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(
+        a.peak_rss.items(), key=lambda kv: _role_order(kv[0])) if v)
     return (f"CPU ms/sample: {parts}; total {per['total']:.2f}. Machine busy "
             f"{a.machine_busy_s / a.wall_s:.2f} cores, other processes "
             f"{max(0.0, a.machine_busy_s - ours) / a.wall_s:.2f}; {a.ended} ended, "
-            f"~{a.est_missed_s:.2f} CPU-s missed")
+            f"~{a.est_missed_s:.2f} CPU-s missed" + (f"; peak RSS MiB per process: {rss}"
+                                                     if rss else ""))
