@@ -244,15 +244,18 @@ def read_twin_tars(
     catalog = load_catalog(paths, modalities=mods, storage_options=so)
     units = _shard_units(catalog, _leaves(paths, so))
     cfg = _decode_config(decode or transform is not None, catalog.modalities)
-    if transform is not None:
+    if cfg is not None and transform is not None:
         cfg = attrs.evolve(cfg, transform=transform)
     source = TwinTarDatasource(_tasks(units, override_num_blocks), opts, block_rows=block_rows,
                                schema=_schema(catalog.modalities, with_sid=cfg is not None))
     ds = ray.data.read_datasource(
         source, override_num_blocks=override_num_blocks, concurrency=concurrency,
         num_cpus=num_cpus, memory=memory, label_selector=label_selector)
-    if cfg is None:
-        return ds
+    return ds if cfg is None else _decoded(ds, cfg, seed)
+
+
+def _decoded(ds: ray.data.Dataset, cfg: DecodeConfig, seed: int) -> ray.data.Dataset:
+    """``ds`` decoded by the loader's Decoder on an actor pool (or tasks)."""
     return ds.map_batches(
         **decode_udf(cfg, _DecodeColumns, {"cfg": cfg, "seed": seed}),
         num_cpus=cfg.num_cpus,

@@ -282,6 +282,20 @@ def _check(samples: int, shard_size: int, min_side: int, max_side: int,
         )
 
 
+def _by_bucket(samples: int, seed: int, min_side: int, max_side: int,
+               aspect_ratios: Sequence[tuple[int, int]], classify: bool) -> dict[str, list[int]]:
+    """Sample indices per aspect bucket ("" for all without ``classify``)."""
+    by_bucket: dict[str, list[int]] = {}
+    for i in range(samples):
+        bucket = ""
+        if classify:
+            spec = sample_spec(seed, i, min_side=min_side, max_side=max_side,
+                               aspect_ratios=aspect_ratios)
+            bucket = aspect_bucket(spec.width, spec.height)
+        by_bucket.setdefault(bucket, []).append(i)
+    return by_bucket
+
+
 def synth_dataset(
     out_dir: str,
     *,
@@ -331,15 +345,8 @@ def synth_dataset(
     aspect_ratios = tuple(aspect_ratios)
     so = dict(storage_options or {})
 
-    by_bucket: dict[str, list[int]] = {}
-    for i in range(samples):
-        if classify_aspect_ratio:
-            spec = sample_spec(seed, i, min_side=min_side, max_side=max_side,
-                               aspect_ratios=aspect_ratios)
-            bucket = aspect_bucket(spec.width, spec.height)
-        else:
-            bucket = ""
-        by_bucket.setdefault(bucket, []).append(i)
+    by_bucket = _by_bucket(samples, seed, min_side, max_side, aspect_ratios,
+                           classify_aspect_ratio)
     jobs = []
     leaf_bucket: dict[str, str] = {}
     for bucket in sorted(by_bucket):
