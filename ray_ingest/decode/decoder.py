@@ -372,15 +372,28 @@ _SKIPPED = object()
 _MISSING = object()
 
 
+#: Samples at least this large stay separate arrays in a block (an object column) instead of
+#: being stacked: stacking costs a copy of every pixel in the worker, and the trainer stacks
+#: each batch once anyway (into pinned memory for a GPU). At 4K (12-42 MB a sample) that is
+#: one full copy per sample saved; small images stack, one array per block.
+STACK_BYTES = 1 << 20
+
+
 def column(values: list[Any], fill: np.ndarray | None = None) -> np.ndarray:
     """One field of a block: arrays of one shape and dtype stacked (a skipped sample's row
-    zeros, or ``fill``'s), numbers as a numeric array, anything else an object array (a lacking
-    or skipped sample's value None)."""
+    zeros, or ``fill``'s) unless they are :data:`STACK_BYTES` or more each, numbers as a
+    numeric array, anything else an object array (a lacking or skipped sample's value None,
+    or ``fill``)."""
     real = [v for v in values if v is not _SKIPPED]
     if not real and fill is not None:
         real = [fill]
     if real and not any(v is _MISSING for v in real):
         first = real[0]
+        if isinstance(first, np.ndarray) and first.nbytes >= STACK_BYTES:
+            arr = np.empty(len(values), dtype=object)
+            zero = fill if fill is not None else np.zeros_like(first)
+            arr[:] = [zero if v is _SKIPPED else v for v in values]
+            return arr
         if isinstance(first, np.ndarray) and all(
                 isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype
                 for v in real):

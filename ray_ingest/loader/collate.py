@@ -56,9 +56,10 @@ def on_accelerator(device: Any) -> bool:
     return device is not None and getattr(device, "type", str(device)) != "cpu"
 
 
-def stackable(col: np.ndarray) -> np.ndarray | None:
-    """The column as one numeric array (rows stacked), or None where it is not one: an object
-    column of arrays of one shape and dtype, or of plain numbers, is stacked."""
+def stackable(col: np.ndarray, out: Any = None) -> np.ndarray | None:
+    """The column as one numeric array (rows stacked, into ``out`` when given one of the
+    right shape and dtype), or None where it is not one: an object column of arrays of one
+    shape and dtype, or of plain numbers, is stacked."""
     if col.dtype != object:
         return col
     values = list(col)
@@ -68,10 +69,21 @@ def stackable(col: np.ndarray) -> np.ndarray | None:
     if isinstance(first, np.ndarray) and first.dtype != object and all(
             isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype
             for v in values):
+        if out is not None:
+            return np.stack(values, out=out(len(values), first.shape, first.dtype))
         return np.stack(values)
     if all(isinstance(v, (bool, int, float, np.number, np.bool_)) for v in values):
         return np.asarray(values)
     return None
+
+
+def _pinned(n: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A page-locked array for a batch (torch's caching host allocator reuses freed ones)."""
+    import torch
+
+    t = torch.empty((n, *shape), dtype=torch.from_numpy(np.empty(0, dtype)).dtype,
+                    pin_memory=True)
+    return t.numpy()
 
 
 def to_tensor(arr: np.ndarray, device: Any) -> Any:
@@ -80,7 +92,9 @@ def to_tensor(arr: np.ndarray, device: Any) -> Any:
 
     t = torch.from_numpy(np.ascontiguousarray(arr))
     if on_accelerator(device):
-        t = t.pin_memory().to(device, non_blocking=True)
+        if not t.is_pinned():
+            t = t.pin_memory()
+        t = t.to(device, non_blocking=True)
     return t
 
 
@@ -95,7 +109,10 @@ def to_batch(cols: dict[str, np.ndarray], cfg: DecodeConfig, device: Any, *, buc
     for name, col in cols.items():
         if name in NOT_FIELDS or name in skip:
             continue
-        arr = stackable(col) if name != cfg.caption_modality else None
+        # rows of a GPU batch are stacked straight into pinned memory: one copy to the host
+        # staging buffer, then the DMA (not a stack, a pin and the DMA)
+        pin = _pinned if on_accelerator(device) and col.dtype == object else None
+        arr = stackable(col, pin) if name != cfg.caption_modality else None
         if arr is not None and arr.dtype.kind in "biuf":
             data[name] = to_tensor(arr, device)
         else:

@@ -164,3 +164,25 @@ def test_placement_maps_half_resolution_proportionally():
     p = place((100, 72), Geometry(32, 32, "random"), 12345, scalable=True)
     assert p.to_list() == type(p).from_list(p.to_list()).to_list()
     assert p.out == (32, 32)
+
+
+def test_large_samples_stay_separate_arrays_and_the_batch_stacks_them_once():
+    """A block keeps samples of STACK_BYTES or more as separate arrays (no stacking copy in the
+    worker); the batcher and collate deliver the same tensor as stacked blocks would."""
+    from ray_ingest.decode.decoder import STACK_BYTES
+    from ray_ingest.loader.batcher import concat
+    from ray_ingest.loader.collate import to_batch
+
+    cfg = DecodeConfig(resolution=640)
+    assert 640 * 640 * 3 >= STACK_BYTES > 48 * 48 * 3
+    cols = block(range(3))
+    cols["image"][1] = b"not an image"
+    out = Decoder(cfg, on_error="skip", log_skips=False)(cols)
+    assert out["image"].dtype == object and [a.shape for a in out["image"]] == [(640, 640, 3)] * 3
+    assert not out["image"][1].any()  # the skipped sample's placeholder
+    assert out["depth"].dtype == np.uint16 and out["depth"].shape == (3, 640, 640)  # 0.8 MB each
+    out["__seq__"] = np.arange(3)
+    both = concat([{k: v[:2] for k, v in out.items()}, {k: v[2:] for k, v in out.items()}])
+    batch = to_batch(both, cfg, None, bucket="", epoch=0, step=0)
+    assert tuple(batch["image"].shape) == (3, 640, 640, 3)
+    np.testing.assert_array_equal(batch["image"][2].numpy(), out["image"][2])

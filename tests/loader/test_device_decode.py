@@ -120,7 +120,7 @@ def test_render_on_the_device_is_within_mae_2_of_cpu_decode():
         rows = _block(datas)
         if cfg.buckets:
             rows["__bucket__"] = ["3_2"] * 2
-        cpu = Decoder(cfg, seed=1)(rows)["image"]
+        cpu = np.stack(list(Decoder(cfg, seed=1)(rows)["image"]))
         shipped = Decoder(attrs_evolve(cfg, device="cuda"), seed=1)(rows)
         dec = DeviceDecoder("cpu", backend=SimplejpegBackend())
         got, event = dec(list(shipped["image"]), shipped[PLACEMENT])
