@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The standing CUDA check: the train-step benchmark with every decode mode on a CUDA step, then
-# the training job (jobs/train.py --use-gpu) for a few minutes on 512 px JPEG twin tars -> 256.
+# The standing CUDA check, in one call of at most 8 minutes: the train-step benchmark with every
+# decode mode on a CUDA step (512 px JPEGs -> 256); the 4K sitting: photo-like 3840x2160 JPEGs
+# -> 2048 decoded on the CPU (ours:process) against decode.device: cuda (the JPEG bytes to the
+# trainer, decoded on its GPU), printing GPU decode ms per 4K image, host-to-device bytes per
+# sample, step time and data-wait; then the training job (jobs/train.py --use-gpu) for a few
+# minutes.
 #
 #   OUT=/tmp/cuda_check bash bench/cuda_check.sh [DEVICE] [SAMPLES] [JOB_STEPS]
 #
-# DEVICE defaults to cuda (cpu: a smoke run of this script without a GPU). Writes under $OUT:
-# train_step.json and train_step.log (bench/train_step.py), job.log (the [train] lines and the
-# final summary), job_summary.txt (samples/s, step time and data-wait from that summary).
+# DEVICE defaults to cuda (cpu: a smoke run of this script without a GPU; the GPU decode part
+# is then skipped). Writes under $OUT: train_step.json/.log (bench/train_step.py),
+# fourk.json/.log (the 4K sitting), job.log (the [train] lines and the final summary),
+# job_summary.txt (samples/s, step time and data-wait from that summary).
 set -uo pipefail
 DEVICE=${1:-cuda}
 SAMPLES=${2:-4800}
@@ -25,11 +30,24 @@ $PY -c "import torch, ray; print('torch', torch.__version__, 'cuda', torch.cuda.
 
 if [ -z "${SKIP_BENCH:-}" ]; then  # SKIP_BENCH=1: the job alone
 echo "== train-step benchmark ($DEVICE step)"
-timeout 240 $PY bench/train_step.py --device "$DEVICE" --data "$DATA" --samples "$SAMPLES" \
+timeout 150 $PY bench/train_step.py --device "$DEVICE" --data "$DATA" --samples "$SAMPLES" \
     --min-side 512 --max-side 512 --res 256 --batch 64 --epochs 3 --runs 3 \
     --cores $((CORES / 2)) --width 64 --depth 4 --torch-threads 4 --warmup-steps 10 \
     --only predecoded,ours:threads,ours:process,ours:actors,ours:tasks,wds_dl_pw \
     --json-out "$OUT/train_step.json" 2>&1 | grep -v "^      " | tee "$OUT/train_step.log"
+fi
+
+if [ -z "${SKIP_4K:-}" ]; then  # SKIP_4K=1: no 4K sitting
+echo "== 4K: 3840x2160 photo-like JPEGs -> 2048, CPU decode vs decode.device: cuda ($DEVICE step)"
+FOURK=ours:process,wds_dl_pw
+if [ "$DEVICE" = cuda ]; then
+  FOURK=ours:process,ours:decode.device=cuda+decode.compute=process,wds_dl_pw
+fi
+timeout 150 $PY bench/train_step.py --device "$DEVICE" --data "${DATA}_4k" --samples 96 \
+    --shard-size 8 --min-side 3840 --max-side 3840 --aspect-ratios 16:9 --photo --res 2048 \
+    --batch 8 --epochs 2 --runs 1 --cores $((CORES / 2)) --width 16 --depth 4 \
+    --torch-threads 4 --warmup-steps 2 --only "$FOURK" \
+    --json-out "$OUT/fourk.json" 2>&1 | grep -v "^      CPU" | tee "$OUT/fourk.log"
 fi
 
 echo "== jobs/train.py on $DEVICE, one rank, up to $JOB_STEPS steps"
@@ -44,7 +62,7 @@ train: {num_workers: 1, group_size: 1, cpus_per_worker: 1, epochs: 1000,
 EOF
 GPU_FLAG=""
 if [ "$DEVICE" = cuda ]; then GPU_FLAG=--use-gpu; fi
-timeout 210 $PY jobs/train.py --config "$OUT/job.yaml" $GPU_FLAG --max-steps "$JOB_STEPS" \
+timeout 150 $PY jobs/train.py --config "$OUT/job.yaml" $GPU_FLAG --max-steps "$JOB_STEPS" \
     --num-cpus "$CORES" 2>&1 | tee "$OUT/job.log"
 $PY - "$OUT/job.log" <<'EOF' | tee "$OUT/job_summary.txt"
 import json, sys

@@ -114,7 +114,9 @@ def ours_config(root: str, res: int, batch: int, compute: str | None = None):
     over = variant(compute) if compute else {}
     decode = {"resolution": res, **OURS["decode"], **over.get("decode", {})}
     loader = {"batch_size": batch, **OURS["loader"], **over.get("loader", {})}
-    return config_from_dict({"data": {"paths": [root]}, "decode": decode, "loader": loader})
+    train = {"use_gpu": True} if decode.get("device") == "cuda" else {}
+    return config_from_dict({"data": {"paths": [root]}, "decode": decode, "loader": loader,
+                             "train": train})
 
 
 def run_ours(root: str, res: int, batch: int, cores: int, epochs: int,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -210,7 +211,10 @@ def items_ours(args: argparse.Namespace, compute: str | None) -> Iterator[Item]:
     from ray_ingest.plan.topology import Topology
 
     cfg = tb.ours_config(args.data, args.res, args.batch, compute)
-    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=cfg.loader.read_workers))
+    gpu = cfg.decode.device == "cuda"  # decoded on the step's device: batches arrive there
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=cfg.loader.read_workers),
+                          device=args.device if gpu else None)
+    tb.LAST_LOADER[:] = [loader]
     key = cfg.decode.image_modality
     for epoch, batches in loader.epochs(args.epochs):
         for b in batches:
@@ -325,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             if sampler is not None:
                 print("      " + cpu_roles.run_line(s["cpu_roles"], s["samples"]), flush=True)
+            gpu = tb.LAST_LOADER[0].metrics().get("device_decode") if (
+                tb.LAST_LOADER and name.startswith("ours")) else None
+            if gpu:
+                s["device_decode"] = gpu
+                print(f"      GPU decode: {json.dumps(gpu)}", flush=True)
     med = compare_steps(runs)
     print(f"\nmedians of {args.runs} interleaved runs on {args.device}, {args.epochs} epochs, "
           f"net width "
@@ -345,8 +354,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(cpu_roles.format_table(table)))
     print(f"\ncommand: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     if args.json_out:
-        import json
-
         with open(args.json_out, "w") as f:
             json.dump({"medians": med, "runs": runs, "cpu": cpu, "args": vars(args)}, f,
                       indent=2)
