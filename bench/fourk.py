@@ -132,7 +132,7 @@ def decode_costs(data: str, res: int, reps: int = 3) -> dict[str, float]:
         import torch.nn.functional as F
 
         torch.set_num_threads(1)
-        x = torch.from_numpy(np.asarray(img)).permute(2, 0, 1)[None].float()
+        x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None].float()
         out["torch_antialias_resize_ms"] = timed(lambda d: F.interpolate(
             x, size=p.cover[::-1], mode="bilinear", antialias=True))
     except ImportError:

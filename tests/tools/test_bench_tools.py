@@ -131,3 +131,18 @@ def test_train_loop_on_each_decode_mode(ray_local, tmp_path):
         assert {e for e, *_ in steps} == {0, 1}, name
         assert set(shapes) == {((8, 32, 32, 3), "torch.uint8")}, name
     assert seen == dict.fromkeys(seen, 96)
+
+
+@pytest.mark.ray
+def test_fourk_sizes_the_object_store_per_sample(ray_local, tmp_path):
+    """bench/fourk.py's transport figure on a small photo-like dataset: with decode.device:
+    cuda a sample costs about its JPEG in the object store, decoded pixels far more."""
+    from bench.fourk import decode_costs, object_store_bytes
+    from ray_ingest.tools.synth import synth_dataset
+
+    synth_dataset(str(tmp_path / "p"), samples=6, shard_size=6, seed=0, min_side=1280,
+                  max_side=1280, aspect_ratios=[(16, 9)], image_style="photo")
+    got = object_store_bytes(str(tmp_path / "p"), res=512, buckets=False, n=4)
+    assert got["cuda_over_jpeg"] <= 1.1 and got["cpu_over_cuda"] > 1.5, got
+    costs = decode_costs(str(tmp_path / "p"), res=512, reps=1)
+    assert {"simplejpeg_decode_ms", "pillow_decode_ms", "pillow_resize_kept_ms"} <= set(costs)
