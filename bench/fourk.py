@@ -12,8 +12,10 @@ the persistent-worker DataLoader decoding with Pillow), CPU ms per sample and pe
 process kind. Then the object-store bytes one sample costs: a block decoded on the CPU and the
 same block with ``decode.device: cuda`` (JPEG bytes and placements), ``ray.put`` and sized by
 Ray (``ray.experimental.get_object_locations``), against the JPEGs' size; and the CPU decode
-cost per sample, simplejpeg against Pillow's decoder, Pillow's resize with and without its
-block cache, and torch's antialiased resize (the alternatives measured before choosing).
+cost per sample, simplejpeg against Pillow's decoder, Pillow's resize (kept pixels, and the
+textbook resize-then-crop), torch's antialiased resize (the alternatives measured before
+choosing), and the whole Decoder's CPU per sample with freed memory kept (the default,
+ray_ingest.decode.memory) and with glibc's own behaviour, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -119,14 +121,8 @@ def decode_costs(data: str, res: int, reps: int = 3) -> dict[str, float]:
            "pillow_decode_ms": timed(pil_decode)}
     img = pil_decode(datas[0])
     p = place(img.size, geom, None, scalable=False)
-    core = getattr(Image, "core", None)
-    blocks = core.get_blocks_max() if core is not None else None
     out["pillow_resize_kept_ms"] = timed(lambda d: render(img, p))
     out["pillow_resize_then_crop_ms"] = timed(lambda d: resize_then_crop(img, geom))
-    if core is not None:
-        core.set_blocks_max(0)
-        out["pillow_resize_kept_no_block_cache_ms"] = timed(lambda d: render(img, p))
-        core.set_blocks_max(blocks)
     try:
         import torch
         import torch.nn.functional as F
@@ -137,6 +133,42 @@ def decode_costs(data: str, res: int, reps: int = 3) -> dict[str, float]:
             x, size=p.cover[::-1], mode="bilinear", antialias=True))
     except ImportError:
         pass
+    return out
+
+
+_DECODER_CPU = """
+import statistics, sys, time
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.config import config_from_dict
+from ray_ingest.execution.local import ItemDecoder
+from ray_ingest.plan.epoch import ReadItem
+data, res = sys.argv[1], int(sys.argv[2])
+dec = ItemDecoder(config_from_dict({"data": {"paths": [data]}, "decode": {"resolution": res},
+                                    "loader": {"block_rows": 4}}))
+cat = load_catalog([data])
+blocks = [b for i in range(2) for b in dec.read_columns(cat.shard(i), ReadItem(0, i, 0, 8))]
+n = sum(len(b["__key__"]) for b in blocks)
+ts = []
+for _ in range(3):
+    t0 = time.thread_time()
+    for b in blocks:
+        dec.decoder(b)
+    ts.append((time.thread_time() - t0) / n * 1e3)
+print(statistics.median(ts))
+"""
+
+
+def decoder_cpu(data: str, res: int) -> dict[str, float]:
+    """The Decoder's CPU ms per sample in a fresh process, freed memory kept (the default)
+    and not (``RAY_INGEST_KEEP_FREED_MEMORY=0``)."""
+    import subprocess
+
+    out = {}
+    for name, keep in (("decoder_keep_freed_memory_ms", "1"), ("decoder_glibc_default_ms", "0")):
+        env = {**os.environ, "RAY_INGEST_KEEP_FREED_MEMORY": keep}
+        res_ = subprocess.run([sys.executable, "-c", _DECODER_CPU, data, str(res)], env=env,
+                              capture_output=True, text=True, check=True)
+        out[name] = float(res_.stdout.split()[-1])
     return out
 
 
@@ -178,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["object_store"] = object_store_bytes(data, args.res, args.buckets)
         finally:
             ray.shutdown()
-        entry["decode_costs"] = decode_costs(data, args.res)
+        entry["decode_costs"] = {**decode_costs(data, args.res), **decoder_cpu(data, args.res)}
         print(f"object store bytes per sample: {json.dumps(entry['object_store'])}")
         print(f"decode costs (ms per sample, one core): {json.dumps(entry['decode_costs'])}",
               flush=True)

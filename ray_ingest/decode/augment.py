@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -215,28 +214,6 @@ def pass_order() -> PassOrder | None:
     log.warning("unknown resize pass order of Pillow %s: images are resized whole, then cropped",
                 PIL.__version__)
     return None
-
-
-#: Freed Pillow memory blocks a process keeps for reuse (Pillow's default keeps none).
-PILLOW_BLOCKS = 16
-
-
-@functools.cache
-def pillow_block_cache() -> None:
-    """Let Pillow reuse freed image memory (its documented ``PILLOW_BLOCKS_MAX``), unless the
-    environment sets it.
-
-    Why: every resize allocates its intermediate and output images, 30-60 MB each at 4K, and
-    fresh pages cost a fault apiece. Keeping up to :data:`PILLOW_BLOCKS` freed blocks (16 MB at
-    most each) made the 3840x2160 -> 2048² resize 1.4x faster on our machine
-    (docs/benchmarks.md, "4K"), for at most that much idle memory per decoding process. Applied
-    through the setter Pillow's own environment variable calls, once per process.
-    """
-    if "PILLOW_BLOCKS_MAX" in os.environ:
-        return
-    setter = getattr(Image.core, "set_blocks_max", None)
-    if setter is not None:
-        setter(PILLOW_BLOCKS)
 
 
 def draft_for(img: Image.Image, geom: Geometry) -> None:

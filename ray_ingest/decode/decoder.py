@@ -50,7 +50,6 @@ from ray_ingest.decode import hook as hooks
 from ray_ingest.decode import jpeg
 from ray_ingest.decode.augment import (
     draft_for,
-    pillow_block_cache,
     render,
     render_array,
 )
@@ -63,6 +62,7 @@ from ray_ingest.decode.geometry import (
     place,
     sample_seed,
 )
+from ray_ingest.decode.memory import keep_freed_memory
 from ray_ingest.decode.modalities import (  # noqa: F401 - re-exported (tests, notebook)
     CAPTION_FIELDS,
     IMAGE_EXTS,
@@ -149,7 +149,7 @@ class Decoder:
         self.hook = hooks.resolve(cfg.transform, cfg.transform_kwargs) if cfg.transform else None
         self.hook_name = hooks.describe(cfg.transform) if cfg.transform else ""
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
-        pillow_block_cache()
+        keep_freed_memory()  # a 4K sample's buffers reused, not faulted in afresh
         self.actor_id, self.node_id = "local", "local"
         # Only ask a Ray already running: get_runtime_context() would start (or join) one.
         ray = running_ray()

@@ -28,6 +28,7 @@ from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.load import load_catalog
 from ray_ingest.columns import ERROR, PLACEMENT, SEQ
 from ray_ingest.config import Config
+from ray_ingest.decode.memory import keep_freed_memory
 from ray_ingest.decode.sizing import block_rows
 from ray_ingest.errors import ConfigError
 from ray_ingest.execution.handoff import Handoff
@@ -117,6 +118,7 @@ class IngestLoader:
         if share is not None and topology.group_size == 1:
             raise ConfigError("IngestLoader share: a group share needs train.group_size > 1")
         self.cfg, self.topology, self.device, self.share = cfg, topology, device, share
+        keep_freed_memory()  # batches of 4K samples are stacked here: their buffers reused
         #: Decodes the primary image on the trainer's GPU (``decode.device: cuda``; a group's
         #: followers receive decoded batches and need none).
         self.device_decoder = image_decoder
