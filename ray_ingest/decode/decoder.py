@@ -418,7 +418,10 @@ def _render_rgb(arr: np.ndarray, p: Placement) -> np.ndarray:
         left, top, right, bottom = p.box
         out = arr[top:bottom, left:right]
         return np.ascontiguousarray(out[:, ::-1] if p.flip else out)
-    return render(Image.frombuffer("RGB", (w, h), arr, "raw", "RGB", 0, 1), p)
+    # frombuffer would zero a new image before unpacking into it: allocate it uninitialised
+    img = Image.new("RGB", (w, h), None)
+    img.frombytes(arr, "raw", "RGB")
+    return render(img, p)
 
 
 def _field_name(hook_name: str, name: Any) -> str:
