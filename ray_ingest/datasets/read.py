@@ -166,6 +166,8 @@ def _decode_config(decode: bool | DecodeConfig, modalities: Sequence[str]
         cfg = decode
     else:
         raise ConfigError(f"decode: expected a bool or a DecodeConfig, got {decode!r}")
+    if cfg.device != "cpu":  # a training-time transport: rows here hold decoded pixels
+        cfg = attrs.evolve(cfg, device="cpu")
     unknown = [k for k in cfg.decoded_modalities if k not in modalities]
     if unknown:
         raise ConfigError(f"decode: modalities {unknown} are not read "
