@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 #: glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-M_MMAP_MAX = -4
 #: Allocations up to this size come from the heap (glibc's upper limit on 64-bit).
 MMAP_THRESHOLD = 32 * 1024**2
 #: Free memory at the top of the heap kept rather than returned to the kernel.
@@ -51,8 +50,6 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
-    if os.environ.get("RAY_INGEST_KEEP_FREED_MEMORY") == "all":  # larger buffers too
-        ok = mallopt(M_MMAP_MAX, 0) == 1 and ok
     if not ok:
         gnu.restype = ctypes.c_char_p
         log.debug("mallopt refused on glibc %s", gnu().decode())
