@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ray_ingest.catalog.arrays import _count_view, _offsets, _string_array, _strings, _text
+from ray_ingest.catalog.entries import check_entries
 from ray_ingest.catalog.scan import scan_wdinfo
 from ray_ingest.catalog.shard import (
     DEFAULT_MODALITIES,
@@ -33,7 +34,7 @@ from ray_ingest.catalog.shard import (
 from ray_ingest.errors import CatalogError, IngestError
 from ray_ingest.twintar import remote
 from ray_ingest.twintar.fsio import _is_absolute, join_url, url_dirname
-from ray_ingest.twintar.safepath import check_folder_name, check_rel_path, first_unsafe_path
+from ray_ingest.twintar.safepath import check_folder_name
 
 log = logging.getLogger(__name__)
 
@@ -222,9 +223,7 @@ def _make_wdinfo(url: str, paths: pa.Array, counts: np.ndarray | None, total: in
                  chunk_field: int | None, root_field: str | None, data_keys: tuple[str, ...],
                  modalities: Sequence[str] | None, dset_id: str, root_mode: str) -> Wdinfo:
     n = len(paths)
-    bad = first_unsafe_path(paths.buffers()[2], _offsets(paths))
-    if bad is not None:  # a tar outside root/<modality>/: refused, whoever wrote the wdinfo
-        check_rel_path(f"{url}: field 'data_list[{bad}]'", paths[bad].as_py())
+    check_entries(url, paths)  # plain relative tar paths, each once, whoever wrote the wdinfo
     for k in data_keys:  # modality folders: root/<data key>/<path>
         check_folder_name(f"{url}: field 'data_keys'", k)
     chunk = chunk_of(url, chunk_field, counts, total, n)
