@@ -82,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     ray_module = sys.modules.get("ray")
-    if not os.environ.get("RAY_ADDRESS") and not (ray_module and ray_module.is_initialized()):
-        from ray_ingest.train.auth import secure_local_ray
+    from ray_ingest.train.auth import check_token_file, secure_local_ray
 
+    if not os.environ.get("RAY_ADDRESS") and not (ray_module and ray_module.is_initialized()):
         secure_local_ray()  # the embedded Ray below runs with token authentication
+    elif os.environ.get("RAY_ADDRESS"):
+        check_token_file()  # the token this client sends: one line if others can read it
     from ray_ingest.errors import IngestError
 
     try:
