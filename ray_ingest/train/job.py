@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the rank that fails at --fail-at-step (default: the last rank)")
     p.add_argument("--fail-hard", action="store_true",
                    help="the failing rank's process exits at once instead of raising")
+    p.add_argument("--stop-file",
+                   help="end the run at the first epoch end after this file exists (every "
+                        "rank checks it there; they agree over torch.distributed)")
     p.add_argument("--num-cpus", type=int, default=8,
                    help="logical CPUs of the embedded local Ray (ignored when joining a cluster)")
     p.add_argument("--verbose", action="store_true",
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         fail_marker=fail_marker,
         fail_rank=args.fail_rank,
         fail_hard=args.fail_hard,
+        stop_file=os.path.abspath(args.stop_file) if args.stop_file else None,
         quiet=not args.verbose,
     )
     result = _trainer(cfg, train_config, args.verbose).fit()
