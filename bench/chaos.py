@@ -9,7 +9,8 @@ on a loopback multi-node Ray cluster (``tests/support/multinode.py``: a head wit
 with token authentication on, reading ``gs://`` twin tars from the GCS emulator through the
 fault-injecting proxy (``tests/support/faultproxy.py``), ``loader.on_error: skip``, decode actors
 of the rank's own pool on the decode nodes, checkpoints every 2 steps, ``max_failures: -1``.
-For ``--duration-s`` a scheduler thread injects faults drawn from ``random.Random(seed)``:
+For ``--duration-s`` the main thread (the job runs in another) injects faults drawn from
+``random.Random(seed)``:
 
 * ``decode_actor_kill``: SIGKILL a live decode actor's process;
 * ``decode_node_loss``: SIGKILL a decode node's raylet (never the last one), add a fresh
@@ -271,9 +272,14 @@ class Injector:
         victim = alive[int(f["pick"] * len(alive))]
         self.cluster.kill(victim)
         time.sleep(f["return_after_s"])
-        back = self.cluster.add("decode", DECODE_CPUS, STORE_MB * MB)
-        return {"node": victim.node_id[:12], "returned_as": back.node_id[:12],
-                "down_s": f["return_after_s"]}
+        detail = {"node": victim.node_id[:12], "down_s": f["return_after_s"],
+                  "returned_as": None}
+        try:  # (a node that does not come back is reported, not fatal here)
+            detail["returned_as"] = self.cluster.add("decode", DECODE_CPUS,
+                                                     STORE_MB * MB).node_id[:12]
+        except Exception as exc:
+            detail["return_error"] = f"{type(exc).__name__}: {exc}"
+        return detail
 
     def gs_reset(self, f: dict[str, Any]) -> dict[str, Any] | None:
         self.proxy.inject("reset", f["count"])
@@ -379,6 +385,8 @@ def fault_table(faults: list[dict[str, Any]], timeline: Timeline, proxy_counts: 
         ok = passed is not None and passed <= end
         if kind == "train_worker_kill":
             ok = ok and timeline.restarted(f["t"])
+        if kind == "decode_node_loss":
+            ok = ok and bool(f.get("returned_as"))
         f["recovered"] = ok
         if ok:
             row["recovered"] += count
@@ -473,24 +481,28 @@ def soak(args: argparse.Namespace, work: Path) -> int:
                                                "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
                                                "PYTHONPATH": REPO}})
             job_config(work / "job.yaml", gs_root, proxy.endpoint, epochs=100_000)
-            stop = threading.Event()
+            stop, result = threading.Event(), {"rc": None}
+
+            def job() -> None:
+                try:
+                    result["rc"] = train_main(
+                        ["--config", str(work / "job.yaml"), "--storage-path",
+                         str(work / "runs"), "--name", "chaos", "--audit-dir", audit_dir,
+                         "--stop-file", str(stop_file)])
+                finally:
+                    stop.set()  # the job is over: no more faults
+
             with Timeline(audit_dir) as timeline:
                 injector = Injector(cluster, proxy, timeline, say)
                 deadline = time.monotonic() + args.duration_s
-                scheduler = threading.Thread(
-                    target=run_schedule, args=(plan, injector, timeline, deadline, stop, faults),
-                    name="chaos-schedule", daemon=True)
-                stopper = threading.Timer(max(0.0, deadline - time.monotonic()),
-                                          stop_file.write_text, args=("stop",))
-                stopper.daemon = True
-                scheduler.start()
-                stopper.start()
-                rc = train_main(["--config", str(work / "job.yaml"), "--storage-path",
-                                 str(work / "runs"), "--name", "chaos", "--audit-dir", audit_dir,
-                                 "--stop-file", str(stop_file)])
-                stop.set()
-                stopper.cancel()
-                scheduler.join(timeout=120)
+                # the job in a thread (Ray Train allows it), the faults in the main thread:
+                # starting a node (a decode node's return) registers signal handlers
+                trainer = threading.Thread(target=job, name="chaos-job", daemon=True)
+                trainer.start()
+                run_schedule(plan, injector, timeline, deadline, stop, faults)
+                stop_file.write_text("stop")  # the job ends at its next epoch end
+                trainer.join()
+                rc = result["rc"]
                 end = time.monotonic()
             proxy_counts = proxy.counts()
         finally:
