@@ -26,7 +26,8 @@ For ``--duration-s`` the main thread (the job runs in another) injects faults dr
 
 Heavy faults (node loss, train worker kill) wait until training has moved past the previous
 one. At the end of the duration a stop file ends the job at the next epoch end
-(``jobs/train.py --stop-file``). The table gives, per kind: faults injected, recovered
+(``jobs/train.py --stop-file``). The duration counts from the job's first steps (Ray Train
+takes 10-30 s to start its worker group here). The table gives, per kind: faults injected, recovered
 (training moved past the step it was at; for node loss the node came back, for a train worker
 kill the group restarted; corrupt members: recorded as skips in an exactly-once epoch) and
 time lost (wall time from the fault until the job stepped past the step it was at, less one
@@ -310,13 +311,20 @@ class Injector:
                 "hold_s": f["hold_s"]}
 
 
+#: How long the job may take to start training before the soak gives up on it.
+START_TIMEOUT_S = 600.0
+
+
 def run_schedule(plan: list[dict[str, Any]], injector: Injector, timeline: Timeline,
-                 deadline: float, stop: threading.Event, faults: list[dict[str, Any]]) -> None:
-    """Inject ``plan`` until ``deadline`` (or ``stop``); heavy faults wait for the previous
-    heavy one to be over (training moved past it)."""
+                 duration_s: float, stop: threading.Event, faults: list[dict[str, Any]]) -> None:
+    """Inject ``plan`` for ``duration_s`` from the job's first steps (or until ``stop``);
+    heavy faults wait for the previous heavy one to be over (training moved past it)."""
+    started = time.monotonic()
     while timeline.step_now() < 1 and not stop.wait(0.5):  # the job trains
-        if time.monotonic() > deadline:
+        if time.monotonic() > started + START_TIMEOUT_S:
+            injector.say(f"[chaos] the job did not train within {START_TIMEOUT_S:.0f} s")
             return
+    deadline = time.monotonic() + duration_s
     last_heavy: dict[str, Any] | None = None
     for f in plan:
         if stop.wait(f["pause_s"]) or time.monotonic() > deadline:
@@ -422,7 +430,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-s", type=float, default=600.0,
-                    help="how long faults are injected (the job then ends at an epoch end)")
+                    help="how long faults are injected, from the job's first steps (the job "
+                         "then ends at its next epoch end)")
     ap.add_argument("--seed", type=int, default=0, help="seeds the schedule and the data")
     ap.add_argument("--shards", type=int, default=24)
     ap.add_argument("--shard-size", type=int, default=8)
@@ -494,12 +503,11 @@ def soak(args: argparse.Namespace, work: Path) -> int:
 
             with Timeline(audit_dir) as timeline:
                 injector = Injector(cluster, proxy, timeline, say)
-                deadline = time.monotonic() + args.duration_s
                 # the job in a thread (Ray Train allows it), the faults in the main thread:
                 # starting a node (a decode node's return) registers signal handlers
                 trainer = threading.Thread(target=job, name="chaos-job", daemon=True)
                 trainer.start()
-                run_schedule(plan, injector, timeline, deadline, stop, faults)
+                run_schedule(plan, injector, timeline, args.duration_s, stop, faults)
                 stop_file.write_text("stop")  # the job ends at its next epoch end
                 trainer.join()
                 rc = result["rc"]

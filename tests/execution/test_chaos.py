@@ -27,7 +27,10 @@ def test_a_short_soak_audits_exactly_once(tmp_path):
          "--shards", "8", "--shard-size", "8", "--corrupt", "2", "--min-faults", "2",
          "--json", str(out)],
         capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    said = [ln for ln in res.stdout.splitlines() if ln.startswith(("[chaos]", "[train]", "kind",
+                                                                  "decode_", "train_", "gs_",
+                                                                  "object_", "corrupt_"))]
+    assert res.returncode == 0, ("\n".join(said)[-4000:], res.stderr[-2000:])
     doc = json.loads(out.read_text())
     assert doc["ok"] and doc["job_exit"] == 0
     assert doc["audit"] and all(r["exactly_once"] and r["complete"] for r in doc["audit"])
