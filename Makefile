@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export RAY_USAGE_STATS_ENABLED := 0
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT := false
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench fuzz clean
 
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	bash scripts/setup_venv.sh $(VENV) $(PY)
@@ -19,6 +19,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# Differential fuzzing, long budget: >= 10,000 examples per parser (the suite runs a bounded
+# share of the same tests); counts printed at the end and written to fuzz_figures.json.
+fuzz: $(STAMP)
+	RAY_INGEST_FUZZ=long RAY_INGEST_FUZZ_FIGURES=$(CURDIR)/fuzz_figures.json \
+		$(BIN)/python -m pytest -q -m fuzz -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ray_ingest jobs bench tests

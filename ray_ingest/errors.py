@@ -12,7 +12,8 @@ class IngestError(Exception):
     ``user:password@`` URLs are replaced (:func:`ray_ingest.redact.scrub`)."""
 
     def __str__(self) -> str:
-        return scrub(super().__str__())
+        # one line whatever a hostile name spliced into the message holds
+        return scrub(super().__str__()).replace("\r", "\\r").replace("\n", "\\n")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self)!r})"

@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-pytest_plugins = ("tests.support.fixtures_gcs",)
+pytest_plugins = ("tests.support.fixtures_gcs", "tests.support.fuzz")
 
 
 def _order(item) -> int:

@@ -71,7 +71,7 @@ def scan_wdinfo(raw: bytes) -> Scanned | None:
     skeleton += raw[end:]
     try:
         rest = json.loads(bytes(skeleton))
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past the recursion limit: json's to name)
         return None
     # the keys must be the document's own (not in a nested object), with the arrays cut out
     if not isinstance(rest, dict) or rest.get("data_list") != []:
@@ -79,6 +79,24 @@ def scan_wdinfo(raw: bytes) -> Scanned | None:
     if counts is not None and rest.get("data_list_key_count") != []:
         return None
     return Scanned(rest, *strings, count_values)
+
+
+def max_nesting(raw: bytes) -> int:
+    """An upper bound of how deep ``[`` and ``{`` nest in ``raw`` (brackets inside strings
+    counted too, so it errs high), a chunk at a time. pyarrow's JSON reader recurses once per
+    level in C++ and crashes the process (a stack overflow, SIGSEGV) some thousands of levels
+    down: documents nested deeper than a wdinfo ever is are left to ``json``, which raises."""
+    view = np.frombuffer(raw, dtype=np.uint8)
+    depth, deepest = 0, 0
+    for s in range(0, view.size, _CHUNK):
+        chunk = view[s:s + _CHUNK]
+        step = ((chunk == 0x5B) | (chunk == 0x7B)).astype(np.int32)
+        step -= ((chunk == 0x5D) | (chunk == 0x7D))
+        levels = np.cumsum(step, dtype=np.int64) + depth
+        if levels.size:
+            deepest = max(deepest, int(levels.max()))
+            depth = int(levels[-1])
+    return deepest
 
 
 def _positions(view: np.ndarray, byte: int) -> np.ndarray:

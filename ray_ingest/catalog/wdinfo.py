@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -20,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from ray_ingest.catalog.arrays import _count_view, _offsets, _string_array, _strings, _text
-from ray_ingest.catalog.scan import scan_wdinfo
+from ray_ingest.catalog.entries import check_entries
+from ray_ingest.catalog.scan import max_nesting, scan_wdinfo
 from ray_ingest.catalog.shard import (
     DEFAULT_MODALITIES,
     Shard,
@@ -33,7 +35,7 @@ from ray_ingest.catalog.shard import (
 from ray_ingest.errors import CatalogError, IngestError
 from ray_ingest.twintar import remote
 from ray_ingest.twintar.fsio import _is_absolute, join_url, url_dirname
-from ray_ingest.twintar.safepath import check_folder_name, check_rel_path, first_unsafe_path
+from ray_ingest.twintar.safepath import check_folder_name
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,10 @@ log = logging.getLogger(__name__)
 #: (json.loads below: their start-up costs more than they save on small files).
 FAST_PARSE_BYTES = 1 << 20
 _INT64_MAX = 2**63 - 1
+#: Documents nested deeper than this (an upper bound, see ``scan.max_nesting``) never reach
+#: pyarrow's JSON reader, which crashes the process a few thousand levels down.
+MAX_FAST_NESTING = 64
+_OBJECT_START = re.compile(rb"[ \t\r\n]*\{")
 
 
 # --------------------------------------------------------------------------- one wdinfo
@@ -176,6 +182,7 @@ def parse_wdinfo(
     total = _field(doc, "total_key_count", url, int)
     if total < 0:
         raise CatalogError(f"{url}: field 'total_key_count' must be >= 0, got {total}")
+    _check_int64(url, total, None, None)
     counts: list[int] | None = None
     if "data_list_key_count" in doc:
         counts = _field(doc, "data_list_key_count", url, list)
@@ -192,6 +199,7 @@ def parse_wdinfo(
     chunk = None
     if "chunk_size" in doc and doc["chunk_size"] is not None:
         chunk = _field(doc, "chunk_size", url, int)
+        _check_int64(url, 0, chunk, None)
     root_field = doc.get("root")
     if root_field is not None and not isinstance(root_field, str):
         chunk_of(url, chunk, counts, total, len(data_list))  # report chunk_size first, as before
@@ -201,10 +209,41 @@ def parse_wdinfo(
         chunk_of(url, chunk, counts, total, len(data_list))
         raise CatalogError(
             f"{url}: field 'data_keys' must be a list, got {type(data_keys).__name__}")
+    for i, k in enumerate(data_keys):
+        if not isinstance(k, str):  # (was read as the folder str(k): 'None', '1')
+            chunk_of(url, chunk, counts, total, len(data_list))
+            raise CatalogError(
+                f"{url}: field 'data_keys[{i}]' must be a string, got {k!r}")
+    _check_unicode(url, data_list, root_field, data_keys)
     return _make_wdinfo(
         url, _strings(data_list),
         None if counts is None else np.array(counts, dtype=np.int64), total, chunk, root_field,
-        tuple(str(k) for k in data_keys), modalities, dset_id, root)
+        tuple(data_keys), modalities, dset_id, root)
+
+
+def _check_unicode(url: str, data_list: list[str], root: str | None,
+                   data_keys: Sequence[str]) -> None:
+    """JSON escapes can spell a lone surrogate (``"\\ud800"``), which no path can hold (UTF-8
+    has no encoding for it): refused, naming the field."""
+    fields = [("data_list", data_list), ("data_keys", list(data_keys))]
+    if root is not None:
+        fields.append(("root", [root]))
+    for name, texts in fields:
+        try:
+            "".join(texts).encode("utf-8")
+        except UnicodeEncodeError:
+            i = next(i for i, t in enumerate(texts) if not _encodable(t))
+            where = name if name == "root" else f"{name}[{i}]"
+            raise CatalogError(f"{url}: field {where!r} is not valid Unicode (a lone "
+                               f"surrogate): {texts[i]!r}") from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def chunk_of(url: str, chunk: int | None, counts: Sequence[int] | np.ndarray | None, total: int,
@@ -222,9 +261,8 @@ def _make_wdinfo(url: str, paths: pa.Array, counts: np.ndarray | None, total: in
                  chunk_field: int | None, root_field: str | None, data_keys: tuple[str, ...],
                  modalities: Sequence[str] | None, dset_id: str, root_mode: str) -> Wdinfo:
     n = len(paths)
-    bad = first_unsafe_path(paths.buffers()[2], _offsets(paths))
-    if bad is not None:  # a tar outside root/<modality>/: refused, whoever wrote the wdinfo
-        check_rel_path(f"{url}: field 'data_list[{bad}]'", paths[bad].as_py())
+    _check_int64(url, total, chunk_field, counts)
+    check_entries(url, paths)  # plain relative tar paths, each once, whoever wrote the wdinfo
     for k in data_keys:  # modality folders: root/<data key>/<path>
         check_folder_name(f"{url}: field 'data_keys'", k)
     chunk = chunk_of(url, chunk_field, counts, total, n)
@@ -252,12 +290,28 @@ def _make_wdinfo(url: str, paths: pa.Array, counts: np.ndarray | None, total: in
         modalities=modalities or DEFAULT_MODALITIES, dset_id=dset_id, bucket=_bucket_of(url))
 
 
+def _check_int64(url: str, total: int, chunk: int | None, counts: np.ndarray | None) -> None:
+    """Counts are int64 from here on (arrays, plans, read states): larger ones are refused."""
+    for name, value in (("total_key_count", total), ("chunk_size", chunk)):
+        if value is not None and value > _INT64_MAX:
+            raise CatalogError(f"{url}: field {name!r} must be <= {_INT64_MAX}, got {value}")
+    if counts is not None and len(counts) and int(counts.max()) > _INT64_MAX // len(counts):
+        total_counts = sum(int(c) for c in counts)  # numpy's sum would wrap around
+        if total_counts > _INT64_MAX:
+            raise CatalogError(f"{url}: field 'data_list_key_count' sums to {total_counts}, "
+                               f"over {_INT64_MAX}")
+
+
 def _fast_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id: str,
                 root_mode: str) -> Wdinfo | None:
     """Parse with pyarrow's JSON reader straight into arrays; None unless the document is a
     plainly valid wdinfo (the json path then parses it again and names what is wrong)."""
     import pyarrow.json as pj  # not pyarrow.compute: importing it costs ~0.3 s
 
+    # pyarrow 26's reader crashes the process (SIGSEGV) on a top-level null and a few thousand
+    # levels of nesting: such documents (never a wdinfo) are left to json, which names them
+    if _OBJECT_START.match(raw) is None or max_nesting(raw) > MAX_FAST_NESTING:
+        return None
     try:
         table = pj.read_json(
             io.BytesIO(raw),
@@ -265,9 +319,11 @@ def _fast_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id:
             parse_options=pj.ParseOptions(newlines_in_values=True),
             # the system allocator hands the parser's scratch memory back to the OS
             memory_pool=pa.system_memory_pool())
+        names = set(table.column_names)  # (a name that is not UTF-8: UnicodeDecodeError)
+        table.validate(full=True)  # every string UTF-8, as json.loads requires
     except (pa.ArrowException, OverflowError, ValueError):
         return None
-    if table.num_rows != 1 or not {"data_list", "total_key_count"} <= set(table.column_names):
+    if table.num_rows != 1 or not {"data_list", "total_key_count"} <= names:
         return None
     # one block gives one chunk; combine_chunks() would copy it (1.2 s at 10M shards)
     row = {name: (col.chunk(0) if col.num_chunks == 1 else col.combine_chunks())
@@ -277,8 +333,8 @@ def _fast_parse(raw: bytes, url: str, modalities: Sequence[str] | None, dset_id:
         if not pa.types.is_list(arr.type) or arr.null_count:
             return None
         values = arr.flatten()
-        if pa.types.is_null(values.type):
-            return _strings([])
+        if pa.types.is_null(values.type):  # [] (or [null, ...]: json names that)
+            return _strings([]) if len(values) == 0 else None
         if not pa.types.is_string(values.type) or values.null_count:
             return None
         return values
@@ -394,5 +450,7 @@ def read_wdinfo(
         doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CatalogError(f"{url}: malformed JSON ({exc})") from None
+    except RecursionError:
+        raise CatalogError(f"{url}: malformed JSON (nested too deeply to read)") from None
     del raw
     return parse_wdinfo(doc, url, modalities=modalities, dset_id=dset_id, root=root)

@@ -48,6 +48,7 @@ from ray_ingest.twintar.reader import (
     ReadOptions,
     read_shard,
 )
+from ray_ingest.twintar.twin import shown
 
 __all__ = ["ReadItem", "block_schema", "read_item"]
 
@@ -192,7 +193,8 @@ def _located(exc: BaseException, shard: str, index: int, last_key: str | None) -
 
     Keeps the exception type when it takes a plain message (TarFormatError, AlignmentError…).
     """
-    where = f"shard {shard} index {index}" + (f" (after key {last_key})" if last_key else "")
+    where = f"shard {shard} index {index}" + (f" (after key {shown(last_key)})" if last_key
+                                              else "")
     text = " ".join(str(exc).split())
     text = text.removeprefix(f"shard {shard}: ")
     if isinstance(exc, IngestError) and type(exc).__init__ is Exception.__init__:

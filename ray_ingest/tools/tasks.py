@@ -69,6 +69,9 @@ class RayExecutor:
         if not jobs:
             return []
         if not ray.is_initialized():
+            from ray_ingest.train.auth import check_token_file
+
+            check_token_file()  # the token Ray is about to read: one line if others can read it
             ray.init()
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "max_retries": 3}
         if self.memory is not None:

@@ -13,6 +13,12 @@ anywhere, writes a one-off token to a private temporary file (mode 0600 in a 070
 named by ``RAY_AUTH_TOKEN_PATH``, removed when the process exits. A ``RAY_AUTH_MODE`` the user
 set (``disabled``) is respected, with a warning. docs/security.md has the whole trust model.
 
+Wherever the project reads a token — an embedded Ray (:func:`secure_local_ray`), a job or a CLI
+command joining a cluster (:func:`check_token_file`) — a token *file* that group or others may
+read is named in one warning line: ``ray get-auth-token --generate`` writes ``~/.ray/auth_token``
+with the process's umask (mode 0644 under the usual 022), and whoever reads the token can run
+code on every node of the cluster.
+
 No Ray import (Ray's cached settings are refreshed only when Ray is already imported).
 """
 
@@ -23,13 +29,14 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import MutableMapping
 from pathlib import Path
 
-__all__ = ["MODE_ENV", "TOKEN_ENV", "TOKEN_PATH_ENV", "default_token_path", "secure_local_ray",
-           "token_source", "write_token_file"]
+__all__ = ["MODE_ENV", "TOKEN_ENV", "TOKEN_PATH_ENV", "check_token_file", "default_token_path",
+           "exposed_token_file", "secure_local_ray", "token_source", "write_token_file"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,40 @@ def token_source(environ: MutableMapping[str, str] | None = None) -> str | None:
     return str(default) if default.is_file() else None
 
 
+def exposed_token_file(environ: MutableMapping[str, str] | None = None
+                       ) -> tuple[str, int] | None:
+    """``(path, mode)`` of the token file this process's Ray reads when group or others may
+    read it; None when it is private, when the token comes from ``RAY_AUTH_TOKEN`` (no file),
+    when there is no token file, or when token authentication is off."""
+    env = os.environ if environ is None else environ
+    mode = env.get(MODE_ENV)
+    if mode is not None and mode.lower() != "token":
+        return None
+    source = token_source(env)
+    if source is None or source == TOKEN_ENV:
+        return None
+    try:
+        bits = stat.S_IMODE(os.stat(source).st_mode)
+    except OSError:
+        return None
+    return (source, bits) if bits & (stat.S_IRGRP | stat.S_IROTH) else None
+
+
+def check_token_file(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Warn in one line when the token file in use is readable by group or others; returns
+    its path then (None otherwise). Never changes the file: it is the operator's."""
+    exposed = exposed_token_file(environ)
+    if exposed is None:
+        return None
+    path, bits = exposed
+    who = " and ".join(w for w, bit in (("group", stat.S_IRGRP), ("others", stat.S_IROTH))
+                       if bits & bit)
+    log.warning("%s: the Ray auth token file is readable by %s (mode %04o): other local users "
+                "can take the token and run code on the cluster; make it private with "
+                "`chmod 600 %s` (docs/security.md)", path, who, bits, path)
+    return path
+
+
 def write_token_file(path: str | os.PathLike) -> Path:
     """A new random token (256 bits, hex, as Ray makes them) in a new file only this user can
     read; an existing file is never overwritten."""
@@ -81,6 +122,7 @@ def secure_local_ray(environ: MutableMapping[str, str] | None = None) -> str | N
         return None
     env[MODE_ENV] = "token"
     written = None
+    check_token_file(env)
     if token_source(env) is None:
         folder = tempfile.mkdtemp(prefix="ray_ingest_auth_")  # 0700
         written = str(write_token_file(os.path.join(folder, "auth_token")))

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the rank that fails at --fail-at-step (default: the last rank)")
     p.add_argument("--fail-hard", action="store_true",
                    help="the failing rank's process exits at once instead of raising")
+    p.add_argument("--stop-file",
+                   help="end the run at the first epoch end after this file exists (every "
+                        "rank checks it there; they agree over torch.distributed)")
     p.add_argument("--num-cpus", type=int, default=8,
                    help="logical CPUs of the embedded local Ray (ignored when joining a cluster)")
     p.add_argument("--verbose", action="store_true",
@@ -82,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     ray_module = sys.modules.get("ray")
-    if not os.environ.get("RAY_ADDRESS") and not (ray_module and ray_module.is_initialized()):
-        from ray_ingest.train.auth import secure_local_ray
+    from ray_ingest.train.auth import check_token_file, secure_local_ray
 
+    if not os.environ.get("RAY_ADDRESS") and not (ray_module and ray_module.is_initialized()):
         secure_local_ray()  # the embedded Ray below runs with token authentication
+    elif os.environ.get("RAY_ADDRESS"):
+        check_token_file()  # the token this client sends: one line if others can read it
     from ray_ingest.errors import IngestError
 
     try:
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         fail_marker=fail_marker,
         fail_rank=args.fail_rank,
         fail_hard=args.fail_hard,
+        stop_file=os.path.abspath(args.stop_file) if args.stop_file else None,
         quiet=not args.verbose,
     )
     result = _trainer(cfg, train_config, args.verbose).fit()

@@ -123,6 +123,7 @@ class WorkerRun:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.train.learning_rate)
         self.ledger = self._open_ledger(config.get("audit_dir"))
         self.failure = InjectedFailure.from_config(config)
+        self.stop_file = config.get("stop_file")
         self.losses: list[float] = []
 
     def _restore(self) -> Any:
@@ -202,6 +203,8 @@ class WorkerRun:
                     "decode_nodes": dict(self.loader.decode_nodes),
                     "read_nodes": dict(self.loader.read_nodes)})
             if max_steps is not None and self.global_step >= max_steps:
+                break
+            if _stop_requested(self.stop_file, self.world, self.device):
                 break
         summary = self.summary(time.perf_counter() - self.t_start)
         for line in _gather_on_rank0(summary, self.rank, self.world):
@@ -287,6 +290,21 @@ class WorkerRun:
                 "decode_nodes": dict(loader.decode_nodes), "read_nodes": dict(loader.read_nodes),
                 "train_node": self.node_id,
                 "stages": loader.stage_breakdown(elapsed)}
+
+
+def _stop_requested(path: str | None, world: int, device: Any) -> bool:
+    """Whether the run ends at this epoch end (``jobs/train.py --stop-file``): the file exists
+    for some rank. Every rank calls this at the same epoch end and they agree (a MAX
+    all-reduce), so none goes on into an epoch the others left."""
+    if not path:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if os.path.exists(path) else 0], device=device)
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _gather_on_rank0(summary: dict[str, Any], rank: int, world: int) -> list[dict[str, Any]]:

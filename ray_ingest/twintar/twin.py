@@ -99,6 +99,12 @@ def _named(members: Iterable[Member], modality: str, stats: AlignStats) -> Itera
         yield m
 
 
+def shown(text: str) -> str:
+    """A key or member name as an error shows it: as is, or ``repr`` when it holds a line break
+    or another character that is not printable (an error stays one line)."""
+    return text if text.isprintable() else repr(text)
+
+
 def _row(shard: str, key: str, index: int, picked: Mapping[str, Member | None],
          on_error: str = "raise", stats: AlignStats | None = None) -> dict[str, Any]:
     row: dict[str, Any] = {KEY: key, SHARD: shard, INDEX: index}
@@ -109,8 +115,8 @@ def _row(shard: str, key: str, index: int, picked: Mapping[str, Member | None],
             if stats is not None:
                 stats.add(modality, "oversized")
             row[ERROR] = _fail(OversizedMemberError(
-                f"shard {shard}: key {key}: {modality} member {member.name} is {member.size} "
-                f"bytes, over the member size limit of {member.over_limit} "
+                f"shard {shard}: key {shown(key)}: {modality} member {shown(member.name)} is "
+                f"{member.size} bytes, over the member size limit of {member.over_limit} "
                 f"(decode.max_member_bytes); not read"), on_error)
     return row
 
@@ -219,7 +225,7 @@ def _strict(
         keys = {m: (v.key if v is not None else None) for m, v in picked.items()}
         key = keys[driver]
         if key is None or any(k != key for k in keys.values()):
-            desc = ", ".join(f"{m}={k if k is not None else '<end of tar>'}"
+            desc = ", ".join(f"{m}={shown(k) if k is not None else '<end of tar>'}"
                              for m, k in keys.items())
             raise AlignmentError(
                 f"shard {shard}: modalities disagree at position {position}: {desc}")
@@ -240,8 +246,8 @@ def _strict(
             cand = next(iters[m], None)  # a member after the last match is unmatched too
         if cand is not None:
             raise AlignmentError(
-                f"shard {shard}: optional modality {m} has member {cand.key} (after position "
-                f"{position}) that no {driver} sample matches"
+                f"shard {shard}: optional modality {m} has member {shown(cand.key)} (after "
+                f"position {position}) that no {driver} sample matches"
             )
 
 
@@ -406,9 +412,9 @@ def _join_tracking(
                 if found[m]:
                     c.take(key)  # the sample is skipped as a whole: free its members' buffer
             exc = AlignmentError(
-                f"shard {shard}: key {key} not found in {','.join(beyond)} within {read_ahead} "
-                f"members read ahead (data.max_read_ahead); that tar is too far out of order "
-                f"or lacks too many keys for merge alignment without a key index")
+                f"shard {shard}: key {shown(key)} not found in {','.join(beyond)} within "
+                f"{read_ahead} members read ahead (data.max_read_ahead); that tar is too far out "
+                f"of order or lacks too many keys for merge alignment without a key index")
             yield _error_row(shard, key, position, modalities, _fail(exc, on_error))
             continue
         picked: dict[str, Member | None] = {}

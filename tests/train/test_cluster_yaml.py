@@ -56,3 +56,18 @@ def test_every_node_starts_with_token_auth_and_gets_the_token():
     assert token_path in cfg["file_mounts"], cfg["file_mounts"]
     assert cfg["file_mounts"][token_path].endswith("auth_token")
     assert any("chmod 600" in c and "auth_token" in c for c in cfg["setup_commands"])
+
+
+def test_the_operator_steps_make_the_token_file_private():
+    """``ray get-auth-token --generate`` alone leaves ~/.ray/auth_token mode 0644: every
+    place that tells the operator to make the token also makes it 0600 (umask or chmod)."""
+    repo = CLUSTER_YAML.parent
+    header = "\n".join(ln for ln in CLUSTER_YAML.read_text().splitlines() if ln.startswith("#"))
+    texts = {"cluster.yaml": header,
+             **{p: (repo / p).read_text() for p in ("README.md", "docs/operations.md",
+                                                     "docs/security.md")}}
+    for name, text in texts.items():
+        for line in text.splitlines():
+            if "get-auth-token --generate" in line and "leaves it" not in line:
+                assert "umask" in line, (name, line)
+        assert "chmod 600 ~/.ray/auth_token" in text or name == "README.md", name

@@ -332,6 +332,8 @@ LIST_CASES = {
     "dotdot": lambda t: "../../elsewhere/part_000000/000000.tar",
     "inner": lambda t: "part_000000/../../../elsewhere/part_000000/000000.tar",
     "absolute": lambda t: str(t / "image" / "part_000000" / "000000.tar"),
+    # a URL: fsspec read it as a protocol ("Protocol not known: .../caption/file", a traceback)
+    "file_url": lambda t: (t / "image" / "part_000000" / "000000.tar").as_uri(),
 }
 
 
