@@ -234,14 +234,7 @@ class PoolExecution:
 
         A rank that has to wait on a full pool is what growing is for (past the first item:
         every pool waits for its first)."""
-        t0 = time.monotonic()
-        ready, _ = ray.wait([call.ref], timeout=0)
-        while not ready:
-            if self.done:
-                self._maybe_grow()
-            self._fill()
-            self._check_stall(time.monotonic() - t0)
-            ready, _ = ray.wait([call.ref], timeout=POLL_S)
+        self._wait_for(call)
         self._calls.popleft()
         try:
             blocks = ray.get(call.ref)
@@ -258,6 +251,17 @@ class PoolExecution:
         self._maybe_shrink()
         self._fill()
         yield from blocks
+
+    def _wait_for(self, call: _Call) -> None:
+        """Until ``call`` is done: growing, submitting and checking for a stall meanwhile."""
+        t0 = time.monotonic()
+        ready, _ = ray.wait([call.ref], timeout=0)
+        while not ready:
+            if self.done:
+                self._maybe_grow()
+            self._fill()
+            self._check_stall(time.monotonic() - t0)
+            ready, _ = ray.wait([call.ref], timeout=POLL_S)
 
     def _replace(self, call: _Call) -> None:
         """Its actor is gone for good: drop it, resubmit its items in their places."""

@@ -1,0 +1,218 @@
+"""The job's shared decode pool (ray_ingest/execution/service.py, jobpool.py) on the session Ray:
+two ranks draw from one pool and each gets exactly its in-process rows in stream order; a
+worker runs its queue earliest step first and drops a cancelled call; a trainer-bound rank's
+pool shrinks to what it keeps busy (long before it is idle), and the job's and the rank's
+decode CPUs reach the metrics endpoint; a worker killed mid-stream costs nothing but a
+resubmit; the controller ends once no rank uses it."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.columns import ACTOR, INDEX, KEY, SEQ, SID
+from ray_ingest.config import config_from_dict
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.plan.epoch import read_items
+from ray_ingest.plan.state import initial_state, slot_stream
+from ray_ingest.plan.topology import Topology
+from ray_ingest.tools.synth import synth_dataset
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("jobpool") / "ds")
+    synth_dataset(out, samples=80, shard_size=10, seed=5, min_side=16, max_side=40)
+    return out
+
+
+def _cfg(path, **decode):
+    return config_from_dict({
+        "data": {"paths": [path]},
+        "decode": {"resolution": 16, "compute": "actors", "pool_min": 1, "pool_max": 2,
+                   "num_cpus": 0.25, **decode},
+        "loader": {"batch_size": 4, "block_rows": 5, "read_workers": 1, "seed": 11,
+                   "head_start_batches": 0},
+    })
+
+
+def _items(cfg, catalog, world=1, rank=0):
+    topo = Topology(world_size=world, rank=rank, read_workers=1)
+    state = initial_state(catalog.fingerprint, cfg.loader.plan_params(), 0, topo)
+    return read_items(slot_stream(state, catalog.counts, catalog.chunk_size, topo.slot), (), 5)
+
+
+def _rows(blocks) -> list[tuple]:
+    return [(int(b[SID][i]), int(b[INDEX][i]), int(b[SEQ][i]), str(b[KEY][i]),
+             hashlib.sha1(b["image"][i].tobytes()).hexdigest())
+            for b in blocks for i in range(len(b[SEQ]))]
+
+
+def _service(cfg, catalog):
+    import ray
+
+    from ray_ingest.execution.service import service_name
+
+    return ray.get_actor(service_name(cfg, catalog.fingerprint))
+
+
+def _gone(cfg, catalog, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _service(cfg, catalog)
+        except ValueError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_two_ranks_share_one_pool_and_get_their_rows_in_order(ray_local, dataset):
+    from ray_ingest.execution.jobpool import JobPoolExecution
+
+    cfg = _cfg(dataset, sim_cost_s=0.005)
+    catalog = load_catalog([dataset])
+    got: dict[int, list] = {}
+    execs = {r: JobPoolExecution(cfg, catalog, _items(cfg, catalog, 2, r), {"rank": str(r)},
+                                 rank=r, pipelines=2) for r in (0, 1)}
+
+    def consume(rank: int) -> None:
+        got[rank] = list(execs[rank].blocks())
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stats = __import__("ray").get(_service(cfg, catalog).stats.remote())
+    for ex in execs.values():
+        ex.close()
+    for r in (0, 1):
+        want = _rows(LocalExecution(cfg, catalog, _items(cfg, catalog, 2, r)).blocks())
+        assert _rows(got[r]) == want and len(want) == 40
+        assert [row[2] for row in _rows(got[r])] == sorted(row[2] for row in want)
+        assert execs[r].stats().startswith(f"job: {execs[r].done} read items decoded on a job "
+                                           "pool of up to")
+    actors = [{a for b in got[r] for a in b[ACTOR]} for r in (0, 1)]
+    assert actors[0] & actors[1], actors  # the same workers decoded for both ranks
+    assert len(actors[0] | actors[1]) <= 4  # pool_max 2 x 2 pipelines
+    assert stats["started"] <= 4 and stats["history"][-1]["ranks"] in (1, 2)
+    assert max(h["ranks"] for h in stats["history"]) == 2
+    assert _gone(cfg, catalog), "the controller did not end after its ranks left"
+
+
+def _finish_order(refs: dict) -> list:
+    import ray
+
+    order, pending = [], dict(refs)
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=60)
+        assert done, "a decode call did not finish"
+        order.append(pending.pop(done[0]))
+    return order
+
+
+def test_a_worker_runs_its_queue_earliest_step_first(ray_local, dataset):
+    import ray
+
+    from ray_ingest.execution.service import SharedDecodeWorker
+
+    cfg = _cfg(dataset, sim_cost_s=0.04)  # 5 rows: 0.2 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    worker = ray.remote(SharedDecodeWorker).options(num_cpus=0.25).remote(cfg)
+    ray.get(worker.ready.remote())
+
+    def call(key, i):
+        return worker.decode.remote(key, 0, None, catalog.shard(items[i].sid), items[i])
+
+    first = call((0, 9), 0)  # runs at once; the others queue behind it
+    time.sleep(0.05)
+    refs = {call((0, 5), 1): (0, 5), call((1, 0), 2): (1, 0), call((0, 1), 3): (0, 1),
+            call((0, 3), 4): (0, 3)}
+    dropped = next(r for r, k in refs.items() if k == (0, 3))
+    ray.cancel(dropped)
+    refs.pop(dropped)
+    refs[first] = (0, 9)
+    assert _finish_order(refs) == [(0, 9), (0, 1), (0, 5), (1, 0)]
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(dropped)
+    st = ray.get(worker.stats.remote())
+    assert (st["queued"], st["running"]) == (0, 0) and st["busy_s"] >= 4 * 0.2 * 0.9
+    assert set(st["by_rank"]) == {0}
+    ray.kill(worker)
+
+
+def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_local, dataset):
+    import ray
+
+    from ray_ingest.loader.ingest import IngestLoader
+    from tests.loader.test_metrics import SCRAPE_TIMEOUT_S, scrape, total
+
+    cfg = _cfg(dataset, pool_min=1, pool_max=4, sim_cost_s=0.002, scale_down_hold_s=1.5)
+    catalog = load_catalog([dataset])
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1), catalog=catalog)
+    assert loader.compute == "actors" and "job's shared, elastic pool" in loader.describe_decode()
+    seen, stats, first_wait = [], None, None
+    for _, batches in loader.epochs(1):
+        for b in batches:
+            if first_wait is None:
+                first_wait = loader.clock.wait  # the pool's start-up
+            seen += list(zip(b.sids, b.indices, strict=True))
+            time.sleep(0.25)  # the train step: this rank is trainer-bound
+            if len(seen) == 48:  # 12 batches, ~3 s: past hold_s, still consuming
+                stats = ray.get(_service(cfg, catalog).stats.remote())
+    assert len(seen) == len(set(seen)) == 80
+    hist = stats["history"]
+    assert hist[0]["target"] == 4  # started with what the cluster had room for, within 4
+    assert stats["target"] == 1 and stats["reason"].startswith("shrink"), stats["reason"]
+    assert hist[-1]["ranks"] == 1 and stats["retired"] >= 3
+    # after its first batch the rank hardly waited (19 steps of 0.25 s set the pace), before
+    # and after the shrink
+    assert loader.clock.wait - first_wait < 0.1 * 19 * 0.25, (loader.clock.wait, first_wait)
+    port = ray_local._private.worker.global_worker.node.metrics_export_port
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    want = {("ray_ingest_job_decode_cpus", "target"): 0.25,
+            ("ray_ingest_decode_cpus", "target"): 0.25}
+    got: dict = {}
+    while got != want and time.monotonic() < deadline:
+        series = scrape(port)
+        for name, kind in want:
+            v = total(series, name, kind=kind, dataset=catalog.fingerprint)
+            if v is not None:
+                got[(name, kind)] = v
+        time.sleep(1.0)
+    assert got == want, (got, want)
+    assert total(series, "ray_ingest_decode_cpus", kind="busy", rank="0",
+                 dataset=catalog.fingerprint) is not None
+
+
+def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
+    import ray
+
+    from ray_ingest.execution.jobpool import JobPoolExecution
+
+    cfg = _cfg(dataset, pool_min=2, pool_max=2, sim_cost_s=0.05)  # 0.25 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    ex = JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)
+    try:
+        it = ex.blocks()
+        got = [next(it)]
+        while len(ex.workers) < 2:  # both workers up and in the roster
+            got.append(next(it))
+        busy = [c.worker for c in ex._calls if c.worker is not None]
+        victim = busy[-1].handle
+        ray.kill(victim, no_restart=True)
+        got += list(it)
+    finally:
+        ex.close()
+    assert _rows(got) == _rows(LocalExecution(cfg, catalog, items).blocks())
+    assert ex.resubmitted >= 1 and f"{ex.resubmitted} resubmitted" in ex.stats()
+    assert _gone(cfg, catalog)
