@@ -31,6 +31,8 @@ from ray_ingest.plan.epoch import ReadItem
 
 #: A call's place in the job's schedule: (epoch, step); lower runs first.
 StepKey = tuple[int, int]
+#: Calls a worker holds at once: one running, one queued behind it (no idle gap between two).
+PER_WORKER = 2
 
 
 def step_key(item: ReadItem, batch_size: int) -> StepKey:
@@ -122,19 +124,26 @@ class Sizer:
 
     * **Start:** the free room, within ``lo..hi``: a job starts with what the cluster can
       place now, and at least ``lo`` (pending workers are demand the autoscaler sees).
-    * **Grow** (data-wait over ``grow_wait`` and workers busy) by half the workers up (at
-      least one), within the free room when there is any, else by one pending worker (again
-      demand for the autoscaler); never while workers are still starting.
-    * **Shrink** after ``hold_s`` without data-wait, to the busy workers × ``headroom`` (at
-      least ``lo``): trainer-bound ranks give back what they do not use; a pause of the train
-      loop shorter than ``hold_s`` keeps the pool.
+    * **Grow** (data-wait over ``grow_wait`` and workers busy, or items waiting for a worker)
+      by as many workers as the waiting items keep busy, within the free room when there is
+      any, else by one pending worker (again demand for the autoscaler); never while workers
+      are still starting.
+    * **Shrink** after ``hold_s`` without data-wait (since the last growth), to the busy
+      workers averaged over that ``hold_s`` × ``headroom`` (at least ``lo``), again at most
+      every third of ``hold_s`` while it holds: trainer-bound ranks give back what they do
+      not use within about ``2 × hold_s``; a pause of the train loop shorter than ``hold_s``
+      keeps the pool, and so does a pool no rank has joined yet (started early by the job's
+      driver).
     """
 
     def __init__(self, settings: SizerSettings):
         self.s = settings
         self.target: int | None = None
         self.reason = "start"
-        self._changed = 0.0
+        #: When the pool last grew (or started, or its first ranks came): the no-wait window
+        #: of a shrink starts after it. When it last shrank: the next shrink waits a third of
+        #: ``hold_s`` (the busy average still covers the whole ``hold_s``).
+        self._grown = self._shrunk = 0.0
         self._hist: collections.deque[Signals] = collections.deque()
 
     def update(self, sig: Signals) -> int:
@@ -146,8 +155,10 @@ class Sizer:
             self._hist.popleft()
         if self.target is None:
             self.target = _clamp(sig.held + sig.pending + sig.free, s.lo, s.hi)
-            self._changed = sig.t
+            self._grown = sig.t
             return self.target
+        if sig.ranks and not self._hist[-2].ranks:
+            self._grown = sig.t  # the first ranks came: what was before says nothing
         grown = self._grow(sig)
         if grown is None:
             self._shrink(sig)
@@ -170,18 +181,20 @@ class Sizer:
         busy = (sig.busy_s - old.busy_s) / (dt * max(1, sig.held))
         if wait <= s.grow_wait or not (busy >= s.grow_busy or sig.queued > 0):
             return None
-        step = max(1, math.ceil(sig.held / 2))
-        step = min(step, sig.free) if sig.free > 0 else 1
+        # as many as the items waiting for a worker can keep busy, within the free room; none
+        # free: one pending worker, demand the autoscaler sees
+        step = min(sig.free, max(1, math.ceil(sig.queued / PER_WORKER))) if sig.free > 0 else 1
         self.target = min(s.hi, max(target, sig.held + step))
         self.reason = f"grow: ranks waited {wait:.0%}, workers busy {busy:.0%}"
-        self._changed = sig.t
+        self._grown = sig.t
         return self.target
 
     def _shrink(self, sig: Signals) -> None:
         s, target = self.s, self.target or 0
         old = self._since(sig, s.hold_s)
-        if old is None or old.t < self._changed:
-            return
+        if (old is None or old.t < self._grown or sig.t - self._shrunk < s.hold_s / 3
+                or not sig.ranks):
+            return  # (no rank: none came yet, or they left and the controller ends soon)
         dt = sig.t - old.t
         wait = (sig.wait_s - old.wait_s) / (dt * max(1, sig.ranks))
         if wait >= s.shrink_wait:
@@ -192,7 +205,7 @@ class Sizer:
             self.target = want
             self.reason = (f"shrink: ranks waited {wait:.1%} over {dt:.0f} s, "
                            f"{busy:.2f} workers busy")
-            self._changed = sig.t
+            self._shrunk = sig.t
 
 
 def _clamp(n: int, lo: int, hi: int) -> int:

@@ -63,7 +63,7 @@ class Executions:
         self.compute = "custom"
         if custom is None:
             self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
-            cfg = attrs.evolve(cfg, decode=attrs.evolve(cfg.decode, compute=self.compute))
+            cfg = with_compute(cfg, self.compute)
         self.cfg = cfg
         #: Decode threads of ``compute: threads``.
         self.threads = decode_threads(cfg.decode, node_pipelines)
@@ -99,8 +99,7 @@ class Executions:
     @property
     def job_pool(self) -> bool:
         """Whether the rank draws from the job's shared decode pool (execution/service.py)."""
-        return (self.compute == "actors" and self.cfg.loader.fused_read
-                and self.cfg.decode.pool_scope == "job")
+        return self._custom is None and uses_job_pool(self.cfg)
 
     def _ray(self, items: list[ReadItem]) -> Execution:
         topo = self.topology
@@ -118,6 +117,31 @@ class Executions:
 
         # a share of the cluster per pipeline
         return RayExecution(self.cfg, self.catalog, items, self.pipelines, self.tags, topo.rank)
+
+
+def with_compute(cfg: Config, compute: str) -> Config:
+    """``cfg`` with ``decode.compute`` resolved (what the executions, and the job pool's name,
+    are built from)."""
+    return attrs.evolve(cfg, decode=attrs.evolve(cfg.decode, compute=compute))
+
+
+def uses_job_pool(cfg: Config) -> bool:
+    """Whether ranks of ``cfg`` (``decode.compute`` resolved) draw from the job's pool."""
+    return (cfg.decode.compute == "actors" and cfg.loader.fused_read
+            and cfg.decode.pool_scope == "job")
+
+
+def prestart_job_pool(cfg: Config, dataset: str, pipelines: int) -> bool:
+    """From the job's driver, on a running Ray: start the job's decode pool now when its ranks
+    will use one (``decode.compute`` resolved as they resolve it), so its workers start while
+    Ray Train starts the ranks. Returns whether it did."""
+    resolved = with_compute(cfg, resolve_compute(cfg.decode, _ray_nodes(), usable_cores()))
+    if not uses_job_pool(resolved):
+        return False
+    from ray_ingest.execution import service
+
+    service.prestart(resolved, pipelines, dataset)
+    return True
 
 
 def _ray_nodes() -> int | None:

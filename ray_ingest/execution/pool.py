@@ -40,6 +40,7 @@ from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
 from ray_ingest.decode.sizing import block_rows, decoded_sample_bytes
 from ray_ingest.errors import IngestError, StallError
+from ray_ingest.execution.fairshare import PER_WORKER
 from ray_ingest.execution.local import ItemDecoder
 from ray_ingest.plan.epoch import ReadItem
 
@@ -48,9 +49,8 @@ log = logging.getLogger(__name__)
 Block = dict[str, np.ndarray]
 #: Modes this module runs.
 POOL_MODES = ("actors", "tasks", "process")
-#: Calls in flight per decode actor: one running, one queued behind it (no idle gap between
-#: two items); a task pool keeps as many tasks queued as running.
-PER_WORKER = 2
+# PER_WORKER (fairshare): calls in flight per decode actor, one running and one queued behind
+# it (no idle gap between two items); a task pool keeps as many tasks queued as running.
 #: Granularity of a wait: growing, shrinking and resubmitting happen between waits.
 POLL_S = 0.1
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import heapq
+import itertools
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,7 @@ from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
 from ray_ingest.execution.fairshare import PriorityGate, Signals, Sizer, SizerSettings
 from ray_ingest.execution.local import ItemDecoder
+from ray_ingest.execution.fairshare import PER_WORKER
 from ray_ingest.metrics import job_tags, record_job, record_rank
 from ray_ingest.plan.epoch import ReadItem
 
@@ -47,9 +50,11 @@ from ray_ingest.plan.epoch import ReadItem
 CONTROL_S = 0.5
 #: How often a rank reports its demand (seconds).
 REPORT_S = 0.5
-#: A retired worker is killed once its queue is empty and the ranks had this long to learn
-#: the new roster (seconds); at the latest after :data:`RETIRE_MAX_S`.
-ROSTER_GRACE_S = 2.0
+#: How often the controller looks for finished calls (seconds): a worker holds
+#: :data:`~ray_ingest.execution.fairshare.PER_WORKER` calls, so it never waits on this.
+WATCH_S = 0.02
+#: A retired worker gets no more items and is killed once it has none (at the latest after
+#: this many seconds).
 RETIRE_MAX_S = 60.0
 #: The controller ends (its workers with it) after this long without a rank (seconds): longer
 #: than the gap between two windows of a loader, short enough not to hold CPUs after a run.
@@ -60,10 +65,11 @@ EXPORT_WINDOW_S = 5.0
 HISTORY = 7200
 
 
-def service_name(cfg: Config, dataset: str) -> str:
-    """The controller's actor name for this job, config and dataset: ranks of one job with
-    the same decode and read settings share one pool (a hash: no setting shows in the name)."""
-    job = ray.get_runtime_context().get_job_id()
+def service_name(cfg: Config, dataset: str, job: str | None = None) -> str:
+    """The controller's actor name for this job (default: this process's), config and
+    dataset: ranks of one job with the same settings share one pool (a hash: no setting, and
+    no credential, shows in the name)."""
+    job = job if job is not None else ray.get_runtime_context().get_job_id()
     doc = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
     digest = hashlib.sha1(f"{job}|{dataset}|{doc}".encode()).hexdigest()[:16]
     return f"ray_ingest_decode_{digest}"
@@ -113,7 +119,19 @@ class SharedDecodeWorker:
                 "queued": self._gate.queued, "running": self.running}
 
 
-@attrs.define
+@attrs.define(eq=False)
+class _Entry:
+    """A rank's read item waiting for a worker, then on one."""
+
+    key: tuple[int, int]
+    rank: int
+    shard: Shard
+    item: ReadItem
+    fut: asyncio.Future
+    ref: Any = None
+
+
+@attrs.define(eq=False)
 class _Worker:
     handle: Any
     wid: str
@@ -122,8 +140,7 @@ class _Worker:
     node: str = ""
     busy_s: float = 0.0
     by_rank: dict[int, float] = attrs.field(factory=dict)
-    queued: int = 0
-    running: int = 0
+    inflight: list[_Entry] = attrs.field(factory=list)
     retired_at: float | None = None
 
 
@@ -131,7 +148,6 @@ class _Worker:
 class _Rank:
     tags: dict[str, str]
     wait_s: float = 0.0
-    seen: float = 0.0
 
 
 class DecodeService:
@@ -151,13 +167,16 @@ class DecodeService:
         self.tags = job_tags(ray.get_runtime_context().get_job_id(), dataset)
         self.workers: dict[str, _Worker] = {}
         self.ranks: dict[int, _Rank] = {}
-        self.version = 0
+        #: Items waiting for a worker, earliest step first: (key, arrival, entry).
+        self.queue: list[tuple[tuple[int, int], int, _Entry]] = []
+        self._arrival = itertools.count()
         self.busy_total = self.wait_left = 0.0  # of workers and ranks gone
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
-        self.started = self.retired = self.lost = 0
-        self._t0 = time.monotonic()
+        self.started = self.retired = self.lost = self.dispatched = 0
+        self._t0, self._t0_wall = time.monotonic(), time.time()
         self._empty_since: float | None = self._t0
-        self._loop: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._ending = False
         self._remote = ray.remote(SharedDecodeWorker).options(**self._worker_options())
         self._labels: tuple[float, dict[str, dict]] = (0.0, {})
         self._gone_by_rank: dict[int, float] = collections.defaultdict(float)
@@ -173,50 +192,114 @@ class DecodeService:
         return opts
 
     # --- the ranks' calls ----------------------------------------------------------------
-    def _ensure_loop(self) -> None:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop().create_task(self._run())
-
     async def join(self, rank: int, tags: dict[str, str]) -> dict[str, Any] | None:
-        """Register a rank; its roster (None: this controller is ending, ask for a new one)."""
-        if self._loop is not None and self._loop.done():
+        """Register a rank (None: this controller is ending, ask for a new one)."""
+        if self._ending:
             return None
-        self._ensure_loop()
         old = self.ranks.get(rank)
         if old is not None:
             self.wait_left += old.wait_s
-        self.ranks[rank] = _Rank(dict(tags), seen=time.monotonic())
+        self.ranks[rank] = _Rank(dict(tags))
+        return await self.prestart()  # the first workers start now, not a period later
+
+    async def prestart(self) -> dict[str, Any]:
+        """Start the pool before any rank asks (the job's driver, while Ray Train starts its
+        workers): it stays until its ranks have come and gone."""
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._run()), loop.create_task(self._watch())]
         self._empty_since = None
         if self.sizer.target is None:
-            await self._tick()  # the first workers start now, not a control period later
-        return self._roster()
+            await self._tick()
+        return self._view()
 
-    async def report(self, rank: int, version: int, wait_s: float) -> dict[str, Any] | None:
-        """A rank's cumulative data-wait; the roster when it changed since ``version`` (else
-        only the version), None when the rank must join again."""
+    async def submit(self, rank: int, key: tuple[int, int], shard: Shard,
+                     item: ReadItem) -> list[Any] | None:
+        """Queue a rank's item (earliest step first); once a worker has it, ``[its result's
+        ref]`` (None: this controller is ending or does not know the rank: join again). The
+        blocks go from the worker to the rank; this actor never fetches them."""
+        if self._ending or rank not in self.ranks:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        entry = _Entry(tuple(key), rank, shard, item, fut)
+        heapq.heappush(self.queue, (entry.key, next(self._arrival), entry))
+        self._dispatch()
+        return [await fut]
+
+    async def report(self, rank: int, wait_s: float) -> dict[str, Any] | None:
+        """A rank's cumulative data-wait; the pool's size and ranks (None: join again)."""
         r = self.ranks.get(rank)
-        if r is None or (self._loop is not None and self._loop.done()):
-            return None  # unknown (or ending): join again
-        r.wait_s, r.seen = wait_s, time.monotonic()
-        return {"version": version} if version == self.version else self._roster()
+        if r is None or self._ending:
+            return None
+        r.wait_s = wait_s
+        return self._view()
+
+    async def cancel(self, rank: int) -> None:
+        """Drop a rank's items: queued ones never run, running ones are cancelled."""
+        for w in self.workers.values():
+            for e in w.inflight:
+                if e.rank == rank:
+                    ray.cancel(e.ref, force=False)
+        for _, _, e in self.queue:
+            if e.rank == rank and not e.fut.done():
+                e.fut.cancel()
 
     async def leave(self, rank: int) -> None:
+        await self.cancel(rank)
         r = self.ranks.pop(rank, None)
         if r is not None:
             self.wait_left += r.wait_s
         if not self.ranks:
             self._empty_since = time.monotonic()
 
-    def _roster(self) -> dict[str, Any]:
-        up = [(w.wid, w.handle) for w in self.workers.values() if w.up and w.retired_at is None]
-        return {"version": self.version, "workers": up, "ranks": max(1, len(self.ranks))}
+    def _view(self) -> dict[str, Any]:
+        up = sum(1 for w in self.workers.values() if w.up and w.retired_at is None)
+        return {"workers": up, "ranks": max(1, len(self.ranks))}
+
+    async def worker_handles(self) -> list[Any]:
+        """The workers up (for tests and benchmarks that kill one)."""
+        return [w.handle for w in self.workers.values() if w.up]
 
     async def stats(self) -> dict[str, Any]:
-        """Counters and the sampled history (t, target, held, pending, busy, wait, free)."""
+        """Counters, the busy seconds per rank and the sampled history (``t``: seconds since
+        ``t0_wall``; target, held, pending, busy, wait, queued, free)."""
         return {"target": self.sizer.target, "reason": self.sizer.reason,
                 "started": self.started, "retired": self.retired, "lost": self.lost,
-                "ranks": len(self.ranks), "num_cpus": self.num_cpus,
-                "history": list(self.history)}
+                "dispatched": self.dispatched, "ranks": len(self.ranks),
+                "num_cpus": self.num_cpus, "rank_busy_s": self.rank_busy(),
+                "t0_wall": self._t0_wall, "history": list(self.history)}
+
+    # --- dispatching ---------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Earliest step first onto the least loaded workers, :data:`PER_WORKER` calls each
+        (one running, one queued behind it: no idle gap between two items)."""
+        live = [w for w in self.workers.values() if w.up and w.retired_at is None]
+        while self.queue and live:
+            w = min(live, key=lambda w: len(w.inflight))
+            if len(w.inflight) >= PER_WORKER:
+                return
+            _, _, e = heapq.heappop(self.queue)
+            if e.fut.done():  # cancelled by its rank
+                continue
+            tags = self.ranks[e.rank].tags if e.rank in self.ranks else None
+            e.ref = w.handle.decode.remote(e.key, e.rank, tags, e.shard, e.item)
+            w.inflight.append(e)
+            e.fut.set_result(e.ref)
+            self.dispatched += 1
+
+    async def _watch(self) -> None:
+        """Finished calls free their worker's place (polled without fetching the blocks)."""
+        while not self._ending:
+            owner = {e.ref: w for w in self.workers.values() for e in w.inflight}
+            if owner:
+                done, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0,
+                                   fetch_local=False)
+                for ref in done:
+                    w = owner[ref]
+                    w.inflight = [e for e in w.inflight if e.ref is not ref]
+                if done:
+                    self._dispatch()
+            await asyncio.sleep(WATCH_S)
 
     # --- the control loop ----------------------------------------------------------------
     async def _run(self) -> None:
@@ -225,6 +308,10 @@ class DecodeService:
             await self._tick()
             if (self._empty_since is not None
                     and time.monotonic() - self._empty_since >= LINGER_S):
+                self._ending = True  # joins and submits now answer None: a new controller
+                for _, _, e in self.queue:
+                    if not e.fut.done():
+                        e.fut.cancel()
                 for w in list(self.workers.values()):
                     ray.kill(w.handle, no_restart=True)
                 self.workers.clear()
@@ -239,8 +326,7 @@ class DecodeService:
         pending = sum(1 for w in self.workers.values() if not w.up and w.retired_at is None)
         sig = Signals(t=now - self._t0, held=held, pending=pending, busy_s=self._busy(),
                       wait_s=self.wait_left + sum(r.wait_s for r in self.ranks.values()),
-                      ranks=len(self.ranks), queued=sum(w.queued for w in self.workers.values()),
-                      free=self._free_workers())
+                      ranks=len(self.ranks), queued=self._queued(), free=self._free_workers())
         target = self.sizer.update(sig)
         self._resize(target, held, pending)
         self._kill_drained(now)
@@ -250,12 +336,15 @@ class DecodeService:
                              "free": sig.free, "ranks": sig.ranks})
         self._export(now)
 
+    def _queued(self) -> int:
+        return sum(1 for _, _, e in self.queue if not e.fut.done())
+
     def _busy(self) -> float:
         return self.busy_total + sum(w.busy_s for w in self.workers.values())
 
     async def _poll_workers(self) -> None:
-        """Workers that came up join the roster; the others' busy time, queues and nodes.
-        (Awaited, never ``ray.wait``: a blocking wait would hold up the ranks' reports.)"""
+        """Workers that came up take items; the others' busy time and nodes. (Awaited, never a
+        blocking ``ray.wait``: that would hold up the ranks' calls.)"""
         for w in [w for w in self.workers.values() if not w.up]:
             ready, _ = ray.wait([w.ready_ref], timeout=0)
             if not ready:
@@ -263,9 +352,9 @@ class DecodeService:
             try:
                 w.node = await w.ready_ref
                 w.up = True
-                self.version += 1
             except ray.exceptions.RayError:  # could not start: replaced by _resize
                 self._forget(w)
+        self._dispatch()
         up = [w for w in self.workers.values() if w.up]
         if not up:
             return
@@ -275,12 +364,15 @@ class DecodeService:
             f.cancel()
         for f in done:
             st, w = f.result(), futs[f]
+            if st == DEAD:  # killed, or out of restarts: its ranks resubmit what it held
+                self.lost += 1
+                self._forget(w)
+                continue
             if st is None:
                 continue
             if st["busy_s"] < w.busy_s:  # restarted in place: its counters began again
                 self._forget_counters(w)
-            w.busy_s, w.by_rank = st["busy_s"], st["by_rank"]
-            w.queued, w.running, w.node = st["queued"], st["running"], st["node"]
+            w.busy_s, w.by_rank, w.node = st["busy_s"], st["by_rank"], st["node"]
 
     def _forget_counters(self, w: _Worker) -> None:
         """Keep what a worker did in the job's totals (it ends, or its counters restart)."""
@@ -290,15 +382,14 @@ class DecodeService:
         w.busy_s, w.by_rank = 0.0, {}
 
     def _forget(self, w: _Worker) -> None:
+        """Out of the pool (its calls in flight fail at their ranks, which resubmit them)."""
         self._forget_counters(w)
         self.workers.pop(w.wid, None)
-        if w.up and w.retired_at is None:
-            self.version += 1
 
     def _drop_lost_nodes(self) -> None:
-        """Workers on a dead node are killed (no restart): the ranks resubmit their calls to
-        the workers that are left, and the pool starts replacements (pending until a node has
-        room)."""
+        """Workers on a dead node are killed (no restart): their ranks resubmit the calls they
+        held, which go to the workers that are left, and the pool starts replacements (pending
+        until a node has room: demand the autoscaler sees)."""
         up = [w for w in self.workers.values() if w.up and w.node]
         if not up:
             return
@@ -343,20 +434,17 @@ class DecodeService:
         if surplus <= 0:
             return
         live = [w for w in self.workers.values() if w.retired_at is None]
-        for w in sorted(live, key=lambda w: (w.up, w.queued + w.running))[:surplus]:
+        for w in sorted(live, key=lambda w: (w.up, len(w.inflight)))[:surplus]:
             if not w.up:
                 ray.kill(w.handle, no_restart=True)
                 self._forget(w)
             else:
-                w.retired_at = time.monotonic()
-                self.version += 1
+                w.retired_at = time.monotonic()  # gets no more items; ends once empty
             self.retired += 1
 
     def _kill_drained(self, now: float) -> None:
         for w in [w for w in self.workers.values() if w.retired_at is not None]:
-            idle = w.queued == 0 and w.running == 0
-            if (idle and now - w.retired_at >= ROSTER_GRACE_S) or \
-                    now - w.retired_at >= RETIRE_MAX_S:
+            if not w.inflight or now - w.retired_at >= RETIRE_MAX_S:
                 ray.kill(w.handle, no_restart=True)
                 self._forget(w)
 
@@ -390,11 +478,35 @@ class DecodeService:
         return dict(out)
 
 
+#: What :func:`_awaited` answers for an actor that is dead for good.
+DEAD = "dead"
+
+
 async def _awaited(ref: Any) -> Any:
+    """The value, :data:`DEAD` when its actor died for good, None on any other failure (an
+    actor restarting, or unreachable for now)."""
     try:
         return await ref
+    except ray.exceptions.ActorDiedError:
+        return DEAD
     except ray.exceptions.RayError:
         return None
+
+
+def prestart(cfg: Config, pipelines: int, dataset: str) -> Any:
+    """Start the job's decode pool now, from the job's driver (its workers start while Ray
+    Train starts the ranks); returns the controller. It lives as long as the driver, or until
+    its ranks have come and gone."""
+    handle = connect(cfg, pipelines, dataset)
+    ray.get(handle.prestart.remote())
+    return handle
+
+
+#: The controllers this process connected to, by name, with the handle that created each:
+#: Ray ends an actor (named or not) once its creator holds no handle to it, and the controller
+#: must outlive the execution that created it (it ends itself, :data:`LINGER_S` after its
+#: last rank left).
+_HANDLES: dict[str, Any] = {}
 
 
 def connect(cfg: Config, pipelines: int, dataset: str) -> Any:
@@ -402,7 +514,12 @@ def connect(cfg: Config, pipelines: int, dataset: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
-    return ray.remote(DecodeService).options(
-        name=service_name(cfg, dataset), get_if_exists=True, num_cpus=0, max_restarts=0,
+    name = service_name(cfg, dataset)
+    handle = ray.remote(DecodeService).options(
+        name=name, get_if_exists=True, num_cpus=0, max_restarts=0,
         lifetime=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
     ).remote(cfg, pipelines, dataset)
+    old = _HANDLES.get(name)
+    if old is None or old._actor_id != handle._actor_id:  # keep the creating handle
+        _HANDLES[name] = handle
+    return _HANDLES[name]

@@ -206,3 +206,35 @@ def test_a_rank_keeps_two_steps_in_flight_or_its_share_of_the_queue():
     assert window_calls(16, 16, workers=8, ranks=1, per_worker=2, cap=100) == 16
     assert window_calls(16, 16, workers=8, ranks=1, per_worker=2, cap=5) == 5
     assert window_calls(16, 16, workers=0, ranks=1, per_worker=2, cap=1) == 1
+
+
+def _first_growth(sim: Sim, busy: float, queued: int) -> int:
+    before = sim.sizer.target
+    for _ in range(20):
+        sim.step(0.5, busy, queued=queued)
+        if sim.sizer.target != before:
+            return sim.sizer.target - before
+    return 0
+
+
+def test_growth_follows_the_items_waiting_for_a_worker():
+    sim = Sim(SizerSettings(lo=1, hi=64), free=1)
+    sim.step(0.0, 0.0)
+    sim.free = 20
+    assert _first_growth(sim, 1.0, queued=6) == 3  # 6 items waiting: 3 workers keep them busy
+    assert _first_growth(sim, 4.0, queued=100) == 17  # more waiting than room: all the room
+    assert _first_growth(sim, 21.0, queued=100) == 1  # no room: one pending worker
+    assert sim.pending == 1
+
+
+def test_a_pool_started_before_its_ranks_keeps_its_size_until_they_came():
+    sim = Sim(SizerSettings(lo=1, hi=64, hold_s=10.0), free=8)
+    sim.ranks = 0
+    sim.step(0.0, 0.0)
+    sim.step(0.0, 0.0, seconds=60.0)  # the job's driver started it; Ray Train starts ranks
+    assert sim.sizer.target == 8
+    sim.ranks = 4
+    sim.step(0.0, 2.0, seconds=9.0)  # trainer-bound from the start: the hold counts from here
+    assert sim.sizer.target == 8
+    sim.step(0.0, 2.0, seconds=2.0)
+    assert sim.sizer.target == 3  # ceil(2 * 1.2)

@@ -205,14 +205,100 @@ def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
     try:
         it = ex.blocks()
         got = [next(it)]
-        while len(ex.workers) < 2:  # both workers up and in the roster
+        svc = _service(cfg, catalog)
+        handles = ray.get(svc.worker_handles.remote())
+        while len(handles) < 2:  # both workers up
             got.append(next(it))
-        busy = [c.worker for c in ex._calls if c.worker is not None]
-        victim = busy[-1].handle
-        ray.kill(victim, no_restart=True)
+            handles = ray.get(svc.worker_handles.remote())
+        ray.kill(handles[0], no_restart=True)  # it holds calls: the pool keeps both busy
         got += list(it)
+        stats = ray.get(svc.stats.remote())
     finally:
         ex.close()
     assert _rows(got) == _rows(LocalExecution(cfg, catalog, items).blocks())
     assert ex.resubmitted >= 1 and f"{ex.resubmitted} resubmitted" in ex.stats()
+    assert stats["lost"] == 1 and stats["started"] == 3  # replaced
+    assert _gone(cfg, catalog)
+
+
+def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
+    """jobs/train.py's driver starts the pool before Ray Train starts the ranks: a rank's
+    config (the job's train_loop_config, storage options sealed and revealed, decode.compute
+    resolved) names the same controller, and its items go to the pre-started workers."""
+    import ray
+
+    from ray_ingest.execution.opener import prestart_job_pool, with_compute
+    from ray_ingest.execution.service import service_name
+    from ray_ingest.loader.ingest import IngestLoader
+    from ray_ingest.train.job import job_config
+    from ray_ingest.train.worker import worker_config
+
+    cfg = config_from_dict({**_cfg(dataset, sim_cost_s=0.001).to_dict(),
+                            "data": {"paths": [dataset], "storage_options": {"token": "s3cr3t"}}})
+    catalog = load_catalog([dataset])
+    rank_cfg = worker_config(job_config(cfg))
+    assert service_name(with_compute(cfg, "actors"), "fp", job="01") == \
+        service_name(with_compute(rank_cfg, "actors"), "fp", job="01")
+    assert "s3cr3t" not in service_name(cfg, "fp", job="01")
+    auto = config_from_dict({**cfg.to_dict(), "decode": {**cfg.to_dict()["decode"],
+                                                        "compute": "auto"}})
+    assert not prestart_job_pool(auto, catalog.fingerprint, 2)  # one small node: process
+    assert prestart_job_pool(cfg, catalog.fingerprint, 2)
+    svc = _service(cfg, catalog)
+    before = ray.get(svc.stats.remote())
+    assert before["ranks"] == 0 and before["started"] == 4  # pool_max 2 x 2 pipelines
+    loader = IngestLoader(rank_cfg, Topology(world_size=2, rank=0, read_workers=1),
+                          catalog=catalog)
+    n = sum(len(b.sids) for _, bs in loader.epochs(1) for b in bs)
+    after = ray.get(svc.stats.remote())
+    assert n == 40 and after["started"] == 4 and after["dispatched"] > 0
+    assert _gone(cfg, catalog)
+
+
+def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local, dataset):
+    """One worker, rank 0 submits steps 0-5 before rank 1 submits its steps 0 and 1: rank 1's
+    steps run before rank 0's later ones (the calls the worker already holds excepted)."""
+    import ray
+
+    from ray_ingest.execution import service
+
+    cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=0.03)  # 0.15 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    svc = service.connect(cfg, 1, catalog.fingerprint)
+    for rank in (0, 1):
+        ray.get(svc.join.remote(rank, {"rank": str(rank)}))
+    while ray.get(svc.stats.remote())["history"][-1]["held"] < 1:
+        time.sleep(0.1)
+
+    def submit(rank, step):
+        item = items[step]
+        return svc.submit.remote(rank, (0, step), catalog.shard(item.sid), item)
+
+    outer = {submit(0, s): (0, s) for s in range(6)}
+    time.sleep(0.3)
+    outer |= {submit(1, s): (1, s) for s in range(2)}
+    # completion order: poll every 10 ms (an item takes 0.15 s), resolving the controller's
+    # answers (the worker's result refs) as they come
+    inner: dict = {}
+    order: list = []
+    deadline = time.monotonic() + 60
+    while len(order) < len(outer) and time.monotonic() < deadline:
+        ready, _ = ray.wait(list(outer), num_returns=len(outer), timeout=0)
+        for ref in ready:
+            if outer[ref] not in inner.values():
+                inner[ray.get(ref)[0]] = outer[ref]
+        done, _ = ray.wait(list(inner), num_returns=len(inner), timeout=0.01)
+        order += [inner[r] for r in done if inner[r] not in order]
+    assert sorted(order) == sorted(outer.values())
+    # rank 1's steps 0 and 1 overtake rank 0's steps 3-5, which waited at the controller; only
+    # what the worker already held when rank 1 asked (two calls, a third once one finished)
+    # runs before them
+    first_of_1 = order.index((1, 0))
+    assert order[first_of_1 + 1] == (1, 1) and 2 <= first_of_1 <= 3, order
+    assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
+    stats = ray.get(svc.stats.remote())
+    assert stats["dispatched"] == 8 and set(stats["rank_busy_s"]) == {0, 1}
+    for rank in (0, 1):
+        ray.get(svc.leave.remote(rank))
     assert _gone(cfg, catalog)
