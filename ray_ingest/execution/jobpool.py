@@ -16,6 +16,7 @@ reports) and the workers' busy time.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,6 +39,8 @@ from ray_ingest.execution.pool import (
 )
 from ray_ingest.plan.epoch import ReadItem
 
+#: Numbers this process's executions (their names at the controller).
+_CLIENTS = itertools.count()
 #: Longest wait for the controller to answer a join (seconds; it may be starting).
 JOIN_TIMEOUT_S = 120.0
 #: What a lost worker or lost blocks look like to the rank: the item is submitted again.
@@ -80,6 +83,8 @@ class JobPoolExecution(PoolExecution):
         self._cap = _window_limit(cfg, max(PER_WORKER * cfg.decode.pool_max,
                                            ahead_calls(cfg.loader.batch_size, self._rows)))
         self._ranks = 1
+        #: This execution's name at the controller (the rank may open several, one by one).
+        self.client = f"{rank}:{ray.get_runtime_context().get_worker_id()}:{next(_CLIENTS)}"
         #: Seconds this rank waited on the pool for its next rows (reported to the controller).
         self.wait_s = 0.0
         self._waiting: float | None = None
@@ -99,7 +104,8 @@ class JobPoolExecution(PoolExecution):
         while True:
             handle = service.connect(self.cfg, self.pipelines, self.dataset)
             try:
-                view = ray.get(handle.join.remote(self.rank, tags), timeout=JOIN_TIMEOUT_S)
+                view = ray.get(handle.join.remote(self.client, self.rank, tags),
+                               timeout=JOIN_TIMEOUT_S)
             except ray.exceptions.RayActorError:
                 view = None  # it ended as we asked: its name is free again shortly
             if view is not None:
@@ -135,7 +141,7 @@ class JobPoolExecution(PoolExecution):
         now = time.monotonic()
         if self._report_ref is None and now - self._reported >= service.REPORT_S:
             self._reported = now
-            self._report_ref = self._service.report.remote(self.rank, self._waited())
+            self._report_ref = self._service.report.remote(self.client, self._waited())
         if wait_s:
             time.sleep(wait_s)
 
@@ -143,7 +149,7 @@ class JobPoolExecution(PoolExecution):
     def _submit(self, item: ReadItem) -> _JobCall:  # type: ignore[override]
         shard = self.catalog.shard(item.sid)
         key = step_key(item, self.cfg.loader.batch_size)
-        return _JobCall(item, self._service.submit.remote(self.rank, key, shard, item))
+        return _JobCall(item, self._service.submit.remote(self.client, key, shard, item))
 
     def _capacity(self) -> int:
         return self.window
@@ -218,4 +224,4 @@ class JobPoolExecution(PoolExecution):
         self._calls.clear()
         if self._service is not None:
             with contextlib.suppress(Exception):
-                self._service.leave.remote(self.rank)
+                self._service.leave.remote(self.client)

@@ -1,25 +1,25 @@
 """The job's decode pool (``decode.compute: actors``, ``decode.pool_scope: job``): one pool of
-decode actors that every rank of a job draws from, and the controller that sizes it.
+decode actors that every rank of a job draws from, and the controller that feeds and sizes it.
 
-* :class:`SharedDecodeWorker`: a decode actor (``decode.num_cpus``, ``decode.label_selector``)
-  that any rank of the job sends read items to, directly (the blocks go from the worker's node
-  to the rank's through the object store, never through the controller). It decodes one item
-  at a time and runs its queued calls earliest step first
-  (:class:`~ray_ingest.execution.fairshare.PriorityGate`): the job's capacity turns into
-  synchronous steps instead of look-ahead for the ranks that happened to ask first.
 * :class:`DecodeService`: the job's controller, a named actor (``ray_ingest_decode_<key>``,
-  not detached: it ends with the rank process that created it, and so do the workers it
-  owns). Ranks join it, report their demand (data-wait, calls in flight and finished) every
-  :data:`REPORT_S` and get the current list of workers (the roster) back. Every
-  :data:`CONTROL_S` it reads the workers' busy time and queues and the cluster's free CPUs,
-  sizes the pool (:class:`~ray_ingest.execution.fairshare.Sizer`), starts workers (a worker
-  no node has room for stays pending: demand the autoscaler sees), retires workers (out of the
-  roster first, killed once their queue is empty), replaces workers whose node died (killed,
-  so that the ranks resubmit their calls at once), exports the job's and each rank's target
-  and busy decode CPUs as Ray metrics, and ends itself once no rank has used it for
-  :data:`LINGER_S`.
+  not detached, 0 CPUs). Ranks join it and submit their read items, each tagged with the step
+  its rows are for; it keeps one queue for the job and hands the items to the workers
+  earliest step first, :data:`~ray_ingest.execution.fairshare.PER_WORKER` per worker, least
+  loaded first, answering each submit with the reference of the worker's result: the blocks go
+  from the worker's node to the rank's through the object store, never through the
+  controller. Every :data:`CONTROL_S` it reads the workers' busy time and nodes, the ranks'
+  data-wait (each reports it every :data:`REPORT_S`) and the cluster's free CPUs, sizes the
+  pool (:class:`~ray_ingest.execution.fairshare.Sizer`), starts workers (one no node has room
+  for stays pending: demand the autoscaler sees), retires workers (no more items, killed once
+  empty), kills the workers of a dead node (their ranks submit those items again at once),
+  exports the job's and each rank's target and busy decode CPUs as Ray metrics, and ends
+  itself, with its workers, :data:`LINGER_S` after its last rank left.
+* :class:`SharedDecodeWorker`: a decode actor (``decode.num_cpus``, ``decode.label_selector``)
+  decoding one item at a time (the second it holds waits in a
+  :class:`~ray_ingest.execution.fairshare.PriorityGate`), counting its busy time per rank.
 
-The rank side (its ordered window, resubmits, stall checks) is
+The job's driver starts the controller before Ray Train starts the ranks (:func:`prestart`);
+otherwise the first rank does. The rank side (its ordered window, resubmits, stall checks) is
 :class:`ray_ingest.execution.jobpool.JobPoolExecution`.
 """
 
@@ -40,9 +40,8 @@ import ray
 
 from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
-from ray_ingest.execution.fairshare import PriorityGate, Signals, Sizer, SizerSettings
+from ray_ingest.execution.fairshare import PER_WORKER, PriorityGate, Signals, Sizer, SizerSettings
 from ray_ingest.execution.local import ItemDecoder
-from ray_ingest.execution.fairshare import PER_WORKER
 from ray_ingest.metrics import job_tags, record_job, record_rank
 from ray_ingest.plan.epoch import ReadItem
 
@@ -124,6 +123,7 @@ class _Entry:
     """A rank's read item waiting for a worker, then on one."""
 
     key: tuple[int, int]
+    client: str
     rank: int
     shard: Shard
     item: ReadItem
@@ -146,6 +146,10 @@ class _Worker:
 
 @attrs.define
 class _Rank:
+    """A rank's execution drawing from the pool (a client: the same rank may open several
+    executions one after another, each joins and leaves)."""
+
+    rank: int
     tags: dict[str, str]
     wait_s: float = 0.0
 
@@ -166,7 +170,7 @@ class DecodeService:
                                          hold_s=dc.scale_down_hold_s or CONTROL_S * 4))
         self.tags = job_tags(ray.get_runtime_context().get_job_id(), dataset)
         self.workers: dict[str, _Worker] = {}
-        self.ranks: dict[int, _Rank] = {}
+        self.ranks: dict[str, _Rank] = {}  # by client
         #: Items waiting for a worker, earliest step first: (key, arrival, entry).
         self.queue: list[tuple[tuple[int, int], int, _Entry]] = []
         self._arrival = itertools.count()
@@ -192,14 +196,15 @@ class DecodeService:
         return opts
 
     # --- the ranks' calls ----------------------------------------------------------------
-    async def join(self, rank: int, tags: dict[str, str]) -> dict[str, Any] | None:
-        """Register a rank (None: this controller is ending, ask for a new one)."""
+    async def join(self, client: str, rank: int, tags: dict[str, str]) -> dict[str, Any] | None:
+        """Register a rank's execution, ``client`` (None: this controller is ending, ask for a
+        new one)."""
         if self._ending:
             return None
-        old = self.ranks.get(rank)
+        old = self.ranks.get(client)
         if old is not None:
             self.wait_left += old.wait_s
-        self.ranks[rank] = _Rank(dict(tags))
+        self.ranks[client] = _Rank(rank, dict(tags))
         return await self.prestart()  # the first workers start now, not a period later
 
     async def prestart(self) -> dict[str, Any]:
@@ -213,40 +218,41 @@ class DecodeService:
             await self._tick()
         return self._view()
 
-    async def submit(self, rank: int, key: tuple[int, int], shard: Shard,
+    async def submit(self, client: str, key: tuple[int, int], shard: Shard,
                      item: ReadItem) -> list[Any] | None:
         """Queue a rank's item (earliest step first); once a worker has it, ``[its result's
         ref]`` (None: this controller is ending or does not know the rank: join again). The
         blocks go from the worker to the rank; this actor never fetches them."""
-        if self._ending or rank not in self.ranks:
+        r = self.ranks.get(client)
+        if self._ending or r is None:
             return None
         fut = asyncio.get_running_loop().create_future()
-        entry = _Entry(tuple(key), rank, shard, item, fut)
+        entry = _Entry(tuple(key), client, r.rank, shard, item, fut)
         heapq.heappush(self.queue, (entry.key, next(self._arrival), entry))
         self._dispatch()
         return [await fut]
 
-    async def report(self, rank: int, wait_s: float) -> dict[str, Any] | None:
+    async def report(self, client: str, wait_s: float) -> dict[str, Any] | None:
         """A rank's cumulative data-wait; the pool's size and ranks (None: join again)."""
-        r = self.ranks.get(rank)
+        r = self.ranks.get(client)
         if r is None or self._ending:
             return None
         r.wait_s = wait_s
         return self._view()
 
-    async def cancel(self, rank: int) -> None:
+    async def cancel(self, client: str) -> None:
         """Drop a rank's items: queued ones never run, running ones are cancelled."""
         for w in self.workers.values():
             for e in w.inflight:
-                if e.rank == rank:
+                if e.client == client:
                     ray.cancel(e.ref, force=False)
         for _, _, e in self.queue:
-            if e.rank == rank and not e.fut.done():
+            if e.client == client and not e.fut.done():
                 e.fut.cancel()
 
-    async def leave(self, rank: int) -> None:
-        await self.cancel(rank)
-        r = self.ranks.pop(rank, None)
+    async def leave(self, client: str) -> None:
+        await self.cancel(client)
+        r = self.ranks.pop(client, None)
         if r is not None:
             self.wait_left += r.wait_s
         if not self.ranks:
@@ -281,8 +287,8 @@ class DecodeService:
             _, _, e = heapq.heappop(self.queue)
             if e.fut.done():  # cancelled by its rank
                 continue
-            tags = self.ranks[e.rank].tags if e.rank in self.ranks else None
-            e.ref = w.handle.decode.remote(e.key, e.rank, tags, e.shard, e.item)
+            r = self.ranks.get(e.client)
+            e.ref = w.handle.decode.remote(e.key, e.rank, r.tags if r else None, e.shard, e.item)
             w.inflight.append(e)
             e.fut.set_result(e.ref)
             self.dispatched += 1
@@ -465,9 +471,9 @@ class DecodeService:
         record_job("pending", n["pending"] * cpus, self.tags)
         record_job("busy", sum(busy.values()) * cpus, self.tags)
         share = n["target"] * cpus / max(1, len(self.ranks))
-        for rank, r in self.ranks.items():
+        for r in self.ranks.values():
             record_rank("target", share, r.tags)
-            record_rank("busy", busy.get(rank, 0.0) * cpus, r.tags)
+            record_rank("busy", busy.get(r.rank, 0.0) * cpus, r.tags)
 
     def rank_busy(self) -> dict[int, float]:
         """Seconds the job's workers spent on each rank's items (cumulative)."""

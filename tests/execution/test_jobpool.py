@@ -267,13 +267,13 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
     items = _items(cfg, catalog)
     svc = service.connect(cfg, 1, catalog.fingerprint)
     for rank in (0, 1):
-        ray.get(svc.join.remote(rank, {"rank": str(rank)}))
+        ray.get(svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
     while ray.get(svc.stats.remote())["history"][-1]["held"] < 1:
         time.sleep(0.1)
 
     def submit(rank, step):
         item = items[step]
-        return svc.submit.remote(rank, (0, step), catalog.shard(item.sid), item)
+        return svc.submit.remote(f"c{rank}", (0, step), catalog.shard(item.sid), item)
 
     outer = {submit(0, s): (0, s) for s in range(6)}
     time.sleep(0.3)
@@ -300,5 +300,5 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
     stats = ray.get(svc.stats.remote())
     assert stats["dispatched"] == 8 and set(stats["rank_busy_s"]) == {0, 1}
     for rank in (0, 1):
-        ray.get(svc.leave.remote(rank))
+        ray.get(svc.leave.remote(f"c{rank}"))
     assert _gone(cfg, catalog)
