@@ -799,7 +799,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="simulated step (below and churn phases)")
     p.add_argument("--sync-above-ratio", type=float, default=0.5,
                    help="above phase: demand / decode capacity (sets the step time)")
-    p.add_argument("--sync-above-s", type=float, default=100.0,
+    p.add_argument("--sync-above-s", type=float, default=120.0,
                    help="above phase: about this long (steps follow from the step time)")
     p.add_argument("--sync-churn-steps", type=int, default=12)
     p.add_argument("--sync-churn-at", type=_ints, default=[3, 7],

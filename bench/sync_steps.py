@@ -35,6 +35,8 @@ from typing import Any
 
 #: Steps left out of the steady rate (see :func:`summarize_phase`).
 SKIP_STEPS = 3
+#: Steps at the end whose items the ranks' windows held before (left out of held vs busy).
+TAIL_STEPS = 3
 #: Seconds a barrier (or a rank waiting at it) gives up after: a failed rank must not hang
 #: the sitting.
 BARRIER_TIMEOUT_S = 900.0
@@ -171,11 +173,26 @@ def summarize_phase(results: list[dict], released: dict[int, float], t0: float, 
     if history:
         hist, off = history["history"], history["t0_wall"]
         cpus = history["num_cpus"]
-        out["decode_cpus"] = held_busy(hist, cpus, a - off, last - off)
-        out["decode_cpus_after_60s"] = held_busy(hist, cpus, t0 + 60 - off, last - off)
+        # the last steps' items were decoded ahead (the ranks' windows): nothing is left to
+        # decode for them, so busy is measured up to the release of step -1 - TAIL_STEPS
+        end = rel[max(0, steps - 1 - TAIL_STEPS)]
+        out["decode_cpus"] = held_busy(hist, cpus, a - off, end - off)
+        out["decode_cpus_after_60s"] = held_busy(hist, cpus, t0 + 60 - off, end - off)
+        out["decode_cpus_window_s"] = [round(a - t0, 1), round(t0 + 60 - t0, 1),
+                                       round(end - t0, 1)]
         out["pool"] = {"started": history["started"], "retired": history["retired"],
                        "lost": history["lost"], "last_target": history["target"],
                        "reason": history["reason"]}
+        # the controller's samples from the phase's start, one a second: (s, target, held,
+        # pending, busy CPU-s so far, ranks' wait so far, items queued)
+        keep, last = [], -1.0
+        for h in hist:
+            if h["t"] + off >= t0 and h["t"] - last >= 1.0:
+                last = h["t"]
+                keep.append((round(h["t"] + off - t0, 1), h["target"], h["held"], h["pending"],
+                             round(h["busy_s"] * cpus, 1), round(h["wait_s"], 1),
+                             h["queued"]))
+        out["pool_history"] = keep
     return out
 
 

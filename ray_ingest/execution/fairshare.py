@@ -23,6 +23,7 @@ import collections
 import heapq
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -91,10 +92,13 @@ class Signals:
     wait_s: float
     #: Ranks drawing from the pool now.
     ranks: int
-    #: Calls waiting in the workers' queues (demand the workers have not started).
+    #: Items waiting for a worker (demand the workers have not started).
     queued: int
     #: Workers the cluster has room for now (free CPUs on the nodes decode may use).
     free: int
+    #: Workers the ranks' consumption keeps busy (:func:`consumption_demand`; None: too few
+    #: items taken yet to tell).
+    demand: float | None = None
 
 
 @attrs.frozen
@@ -112,7 +116,7 @@ class SizerSettings:
     headroom: float = 1.2
     #: Grow when the ranks waited more than this share of the last ``grow_window_s``...
     grow_wait: float = 0.05
-    grow_window_s: float = 2.0
+    grow_window_s: float = 5.0
     #: ...and the workers were busy more than this share of it (or calls were queued).
     grow_busy: float = 0.75
     #: Shrink only when the ranks waited less than this share of the last ``hold_s``.
@@ -128,8 +132,10 @@ class Sizer:
       by as many workers as the waiting items keep busy, within the free room when there is
       any, else by one pending worker (again demand for the autoscaler); never while workers
       are still starting.
-    * **Shrink** after ``hold_s`` without data-wait (since the last growth), to the busy
-      workers averaged over that ``hold_s`` × ``headroom`` (at least ``lo``), again at most
+    * **Shrink** after ``hold_s`` without data-wait (since the last growth), to the workers
+      the ranks' consumption keeps busy (:func:`consumption_demand`; the busy workers over
+      that ``hold_s`` where it is not known, or where they are fewer) × ``headroom`` (at
+      least ``lo``), again at most
       every third of ``hold_s`` while it holds: trainer-bound ranks give back what they do
       not use within about ``2 × hold_s``; a pause of the train loop shorter than ``hold_s``
       keeps the pool, and so does a pool no rank has joined yet (started early by the job's
@@ -200,12 +206,41 @@ class Sizer:
         if wait >= s.shrink_wait:
             return
         busy = (sig.busy_s - old.busy_s) / dt
-        want = _clamp(math.ceil(busy * s.headroom - 1e-9), s.lo, s.hi)
+        # what the ranks consume, when known: busy also counts the look-ahead the ranks'
+        # windows fill at their start, which a steady state does not need
+        need = busy if sig.demand is None else min(busy, sig.demand)
+        want = _clamp(math.ceil(need * s.headroom - 1e-9), s.lo, s.hi)
         if want < target:
             self.target = want
             self.reason = (f"shrink: ranks waited {wait:.1%} over {dt:.0f} s, "
-                           f"{busy:.2f} workers busy")
+                           f"{busy:.2f} workers busy, consumption keeps "
+                           f"{'?' if sig.demand is None else f'{sig.demand:.2f}'} busy")
             self._shrunk = sig.t
+
+
+def consumption_demand(taken: Sequence[Sequence[tuple[float, int]]], now: float,
+                       window_s: float, cost_s: float | None) -> float | None:
+    """Workers the ranks' consumption keeps busy: per rank, the items it took over the last
+    ``window_s`` (from its first to its last change in the window, so that the bursts a step
+    barrier makes are counted whole) per second, summed, × ``cost_s`` seconds of a worker per
+    item. None when no rank changed twice in the window or the cost is unknown.
+
+    Args:
+        taken: per rank, ``(time, items taken so far)`` at each change, oldest first.
+        now: the clock ``taken`` uses.
+        window_s: how far back to look.
+        cost_s: a worker's seconds per item (the pool's busy seconds / items finished).
+    """
+    if not cost_s:
+        return None
+    rate, seen = 0.0, False
+    for samples in taken:
+        recent = [(t, n) for t, n in samples if now - t <= window_s]
+        if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+            continue
+        seen = True
+        rate += (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+    return rate * cost_s if seen else None
 
 
 def _clamp(n: int, lo: int, hi: int) -> int:

@@ -124,8 +124,9 @@ class JobPoolExecution(PoolExecution):
                                    self._ranks, PER_WORKER, self._cap)
 
     def _admit(self, wait_s: float = 0.0) -> None:
-        """Report this rank's data-wait every :data:`~ray_ingest.execution.service.REPORT_S`
-        and apply the answer (never blocks on the controller)."""
+        """Report this rank's data-wait and items taken (its step rate) every
+        :data:`~ray_ingest.execution.service.REPORT_S` and apply the answer (never blocks on
+        the controller)."""
         if self._report_ref is not None:
             ready, _ = ray.wait([self._report_ref], timeout=0)
             if ready:
@@ -141,7 +142,8 @@ class JobPoolExecution(PoolExecution):
         now = time.monotonic()
         if self._report_ref is None and now - self._reported >= service.REPORT_S:
             self._reported = now
-            self._report_ref = self._service.report.remote(self.client, self._waited())
+            self._report_ref = self._service.report.remote(self.client, self._waited(),
+                                                           self.done)
         if wait_s:
             time.sleep(wait_s)
 

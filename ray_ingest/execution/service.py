@@ -40,7 +40,14 @@ import ray
 
 from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
-from ray_ingest.execution.fairshare import PER_WORKER, PriorityGate, Signals, Sizer, SizerSettings
+from ray_ingest.execution.fairshare import (
+    PER_WORKER,
+    PriorityGate,
+    Signals,
+    Sizer,
+    SizerSettings,
+    consumption_demand,
+)
 from ray_ingest.execution.local import ItemDecoder
 from ray_ingest.metrics import job_tags, record_job, record_rank
 from ray_ingest.plan.epoch import ReadItem
@@ -48,7 +55,10 @@ from ray_ingest.plan.epoch import ReadItem
 #: How often the controller reads its workers and sizes the pool (seconds).
 CONTROL_S = 0.5
 #: How often a rank reports its demand (seconds).
-REPORT_S = 0.5
+REPORT_S = 1.0
+#: Seconds a rank that joined may take to submit its first item before later steps of other
+#: ranks go ahead of it (see :meth:`DecodeService._start_floor`).
+START_GRACE_S = 2.0
 #: How often the controller looks for finished calls (seconds): a worker holds
 #: :data:`~ray_ingest.execution.fairshare.PER_WORKER` calls, so it never waits on this.
 WATCH_S = 0.02
@@ -142,6 +152,7 @@ class _Worker:
     by_rank: dict[int, float] = attrs.field(factory=dict)
     inflight: list[_Entry] = attrs.field(factory=list)
     retired_at: float | None = None
+    stats: asyncio.Future | None = None
 
 
 @attrs.define
@@ -152,6 +163,11 @@ class _Rank:
     rank: int
     tags: dict[str, str]
     wait_s: float = 0.0
+    #: When it joined (monotonic) and the step of its first item (None: none yet).
+    joined: float = attrs.field(factory=time.monotonic)
+    first: tuple[int, int] | None = None
+    #: (controller clock, items taken so far) at each change: its consumption rate.
+    taken: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=256))
 
 
 class DecodeService:
@@ -176,7 +192,7 @@ class DecodeService:
         self._arrival = itertools.count()
         self.busy_total = self.wait_left = 0.0  # of workers and ranks gone
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
-        self.started = self.retired = self.lost = self.dispatched = 0
+        self.started = self.retired = self.lost = self.dispatched = self.completed = 0
         self._t0, self._t0_wall = time.monotonic(), time.time()
         self._empty_since: float | None = self._t0
         self._tasks: list[asyncio.Task] = []
@@ -228,16 +244,21 @@ class DecodeService:
             return None
         fut = asyncio.get_running_loop().create_future()
         entry = _Entry(tuple(key), client, r.rank, shard, item, fut)
+        if r.first is None:
+            r.first = entry.key
         heapq.heappush(self.queue, (entry.key, next(self._arrival), entry))
         self._dispatch()
         return [await fut]
 
-    async def report(self, client: str, wait_s: float) -> dict[str, Any] | None:
-        """A rank's cumulative data-wait; the pool's size and ranks (None: join again)."""
+    async def report(self, client: str, wait_s: float, taken: int = 0) -> dict[str, Any] | None:
+        """A rank's cumulative data-wait and items taken; the pool's size and ranks (None:
+        join again)."""
         r = self.ranks.get(client)
         if r is None or self._ending:
             return None
         r.wait_s = wait_s
+        if not r.taken or r.taken[-1][1] != taken:
+            r.taken.append((time.monotonic() - self._t0, taken))
         return self._view()
 
     async def cancel(self, client: str) -> None:
@@ -280,18 +301,34 @@ class DecodeService:
         """Earliest step first onto the least loaded workers, :data:`PER_WORKER` calls each
         (one running, one queued behind it: no idle gap between two items)."""
         live = [w for w in self.workers.values() if w.up and w.retired_at is None]
+        floor = self._start_floor()
         while self.queue and live:
             w = min(live, key=lambda w: len(w.inflight))
             if len(w.inflight) >= PER_WORKER:
                 return
-            _, _, e = heapq.heappop(self.queue)
-            if e.fut.done():  # cancelled by its rank
+            if self.queue[0][2].fut.done():  # cancelled by its rank
+                heapq.heappop(self.queue)
                 continue
+            if floor is not None and self.queue[0][0] > floor:
+                return  # a rank that just joined has not submitted its first step yet
+            _, _, e = heapq.heappop(self.queue)
             r = self.ranks.get(e.client)
             e.ref = w.handle.decode.remote(e.key, e.rank, r.tags if r else None, e.shard, e.item)
             w.inflight.append(e)
             e.fut.set_result(e.ref)
             self.dispatched += 1
+
+    def _start_floor(self) -> tuple[int, int] | None:
+        """While a rank that joined less than :data:`START_GRACE_S` ago has submitted nothing,
+        the earliest first step any rank submitted: later steps wait for it. (Ranks start
+        their windows a little apart; without this, the first ones' look-ahead would take
+        the workers while the last ones' first step is still to come.)"""
+        now = time.monotonic()
+        if not any(r.first is None and now - r.joined < START_GRACE_S
+                   for r in self.ranks.values()):
+            return None
+        firsts = [r.first for r in self.ranks.values() if r.first is not None]
+        return min(firsts) if firsts else None
 
     async def _watch(self) -> None:
         """Finished calls free their worker's place (polled without fetching the blocks)."""
@@ -300,6 +337,7 @@ class DecodeService:
             if owner:
                 done, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0,
                                    fetch_local=False)
+                self.completed += len(done)
                 for ref in done:
                     w = owner[ref]
                     w.inflight = [e for e in w.inflight if e.ref is not ref]
@@ -330,16 +368,21 @@ class DecodeService:
         self._drop_lost_nodes()
         held = sum(1 for w in self.workers.values() if w.up and w.retired_at is None)
         pending = sum(1 for w in self.workers.values() if not w.up and w.retired_at is None)
-        sig = Signals(t=now - self._t0, held=held, pending=pending, busy_s=self._busy(),
+        busy = self._busy()
+        sig = Signals(t=now - self._t0, held=held, pending=pending, busy_s=busy,
                       wait_s=self.wait_left + sum(r.wait_s for r in self.ranks.values()),
-                      ranks=len(self.ranks), queued=self._queued(), free=self._free_workers())
+                      ranks=len(self.ranks), queued=self._queued(), free=self._free_workers(),
+                      demand=consumption_demand(
+                          [r.taken for r in self.ranks.values()], now - self._t0,
+                          self.sizer.s.hold_s, busy / self.completed if self.completed else None))
         target = self.sizer.update(sig)
         self._resize(target, held, pending)
         self._kill_drained(now)
         self.history.append({"t": round(sig.t, 2), "target": target, "held": held,
                              "pending": pending, "busy_s": round(sig.busy_s, 3),
                              "wait_s": round(sig.wait_s, 3), "queued": sig.queued,
-                             "free": sig.free, "ranks": sig.ranks})
+                             "free": sig.free, "ranks": sig.ranks,
+                             "demand": None if sig.demand is None else round(sig.demand, 2)})
         self._export(now)
 
     def _queued(self) -> int:
@@ -361,20 +404,18 @@ class DecodeService:
             except ray.exceptions.RayError:  # could not start: replaced by _resize
                 self._forget(w)
         self._dispatch()
-        up = [w for w in self.workers.values() if w.up]
-        if not up:
-            return
-        futs = {asyncio.ensure_future(_awaited(w.handle.stats.remote())): w for w in up}
-        done, late = await asyncio.wait(futs, timeout=CONTROL_S)
-        for f in late:  # restarting, or its node is gone: the node's state decides (below)
-            f.cancel()
-        for f in done:
-            st, w = f.result(), futs[f]
+        for w in [w for w in self.workers.values() if w.up]:
+            # one stats call in flight per worker, never dropped: on a busy machine an answer
+            # may take longer than a control period, and a dropped one would read as idle
+            if w.stats is not None and not w.stats.done():
+                continue
+            st = w.stats.result() if w.stats is not None else None
+            w.stats = asyncio.ensure_future(_awaited(w.handle.stats.remote()))
             if st == DEAD:  # killed, or out of restarts: its ranks resubmit what it held
                 self.lost += 1
                 self._forget(w)
                 continue
-            if st is None:
+            if st is None:  # restarting, or its node is gone: the node's state decides
                 continue
             if st["busy_s"] < w.busy_s:  # restarted in place: its counters began again
                 self._forget_counters(w)
@@ -390,6 +431,8 @@ class DecodeService:
     def _forget(self, w: _Worker) -> None:
         """Out of the pool (its calls in flight fail at their ranks, which resubmit them)."""
         self._forget_counters(w)
+        if w.stats is not None:
+            w.stats.cancel()
         self.workers.pop(w.wid, None)
 
     def _drop_lost_nodes(self) -> None:

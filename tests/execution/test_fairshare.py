@@ -16,6 +16,7 @@ from ray_ingest.execution.fairshare import (
     Sizer,
     SizerSettings,
     ahead_calls,
+    consumption_demand,
     step_key,
     window_calls,
 )
@@ -122,7 +123,7 @@ def test_grows_while_ranks_wait_on_busy_workers_and_not_while_workers_start():
     sim.step(0.0, 0.0)  # start: the 2 free
     assert sim.held == 2
     sim.free = 10  # a node joins
-    sim.step(0.5, 2.0, queued=8, seconds=3.0)
+    sim.step(0.5, 2.0, queued=8, seconds=5.5)
     assert sim.held > 2 and "grow" in sim.sizer.reason
     grown = sim.held
     # waiting, but the new workers are not up yet: no more growth meanwhile
@@ -140,7 +141,7 @@ def test_without_free_room_it_grows_by_one_pending_worker_for_the_autoscaler():
     sim = Sim(SizerSettings(lo=1, hi=64), free=3)
     sim.step(0.0, 0.0)
     assert sim.held == 3 and sim.free == 0
-    sim.step(0.6, 3.0, queued=20, seconds=2.5)
+    sim.step(0.6, 3.0, queued=20, seconds=5.5)
     assert sim.sizer.target == 4 and sim.pending == 1  # one pending worker: demand
     sim.step(0.6, 3.0, queued=20, seconds=5.0)
     assert sim.sizer.target == 4  # still pending: no more
@@ -238,3 +239,32 @@ def test_a_pool_started_before_its_ranks_keeps_its_size_until_they_came():
     assert sim.sizer.target == 8
     sim.step(0.0, 2.0, seconds=2.0)
     assert sim.sizer.target == 3  # ceil(2 * 1.2)
+
+
+def test_consumption_demand_counts_a_barrier_s_bursts_whole():
+    # two ranks taking one item per 13 s step at the barrier (reports every second), 0.8 s of
+    # a worker per item: 2 / 13 items/s x 0.8 = 0.123 workers, whatever the window's phase
+    ranks = [[(10.0 + 13.0 * k + r * 0.3, k + 1) for k in range(6)] for r in range(2)]
+    for now in (40.0, 46.0, 52.0, 75.0):
+        d = consumption_demand(ranks, now, 30.0, 0.8)
+        assert d == pytest.approx(2 / 13 * 0.8, rel=0.05), now
+    assert consumption_demand(ranks, 200.0, 30.0, 0.8) is None  # nothing taken lately
+    assert consumption_demand(ranks, 40.0, 30.0, None) is None  # cost unknown
+    assert consumption_demand([[(1.0, 5)]], 2.0, 30.0, 0.8) is None  # one change only
+
+
+def test_shrink_follows_consumption_not_the_look_ahead_a_start_fills():
+    """At their start the ranks' windows fill: every worker is busy for a while although the
+    steady demand is far lower. With the consumption known the pool shrinks to it at once."""
+    settings = SizerSettings(lo=1, hi=64, hold_s=10.0, headroom=1.2)
+    sim = Sim(settings, free=8)
+    sim.step(0.0, 0.0)
+    sim.step(0.0, 8.0, seconds=11.0)  # the look-ahead: all 8 busy, nobody waits
+    assert sim.sizer.target == 8  # busy alone says: keep
+    sizer = Sizer(settings)
+    sizer.update(Signals(0.0, 8, 0, 0.0, 0.0, 4, 0, 0))
+    t = 0.0
+    for _ in range(24):
+        t += 0.5
+        sizer.update(Signals(t, 8, 0, 8 * t, 0.0, 4, 0, 0, demand=3.9))
+    assert sizer.target == 5 and "consumption keeps 3.90 busy" in sizer.reason

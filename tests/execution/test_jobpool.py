@@ -166,12 +166,12 @@ def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_loca
                 first_wait = loader.clock.wait  # the pool's start-up
             seen += list(zip(b.sids, b.indices, strict=True))
             time.sleep(0.25)  # the train step: this rank is trainer-bound
-            if len(seen) == 48:  # 12 batches, ~3 s: past hold_s, still consuming
+            if len(seen) == 80:  # the last batch, ~5 s: past hold_s, still consuming
                 stats = ray.get(_service(cfg, catalog).stats.remote())
     assert len(seen) == len(set(seen)) == 80
     hist = stats["history"]
     assert hist[0]["target"] == 4  # started with what the cluster had room for, within 4
-    assert stats["target"] == 1 and stats["reason"].startswith("shrink"), stats["reason"]
+    assert stats["target"] == 1 and stats["reason"].startswith("shrink"), (stats["reason"], hist)
     assert hist[-1]["ranks"] == 1 and stats["retired"] >= 3
     # after its first batch the rank hardly waited (19 steps of 0.25 s set the pace), before
     # and after the shrink
@@ -297,8 +297,11 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
     first_of_1 = order.index((1, 0))
     assert order[first_of_1 + 1] == (1, 1) and 2 <= first_of_1 <= 3, order
     assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
-    stats = ray.get(svc.stats.remote())
-    assert stats["dispatched"] == 8 and set(stats["rank_busy_s"]) == {0, 1}
+    deadline = time.monotonic() + 30  # the workers' busy time is read every control period
+    while set((stats := ray.get(svc.stats.remote()))["rank_busy_s"]) != {0, 1}:
+        assert time.monotonic() < deadline, stats["rank_busy_s"]
+        time.sleep(0.2)
+    assert stats["dispatched"] == 8
     for rank in (0, 1):
         ray.get(svc.leave.remote(f"c{rank}"))
     assert _gone(cfg, catalog)
