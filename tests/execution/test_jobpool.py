@@ -255,31 +255,11 @@ def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
     assert _gone(cfg, catalog)
 
 
-def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local, dataset):
-    """One worker, rank 0 submits steps 0-5 before rank 1 submits its steps 0 and 1: rank 1's
-    steps run before rank 0's later ones (the calls the worker already holds excepted)."""
+def _completion_order(outer: dict) -> list:
+    """The order in which the workers finished the submitted items: polled every 10 ms (an
+    item takes 0.15 s), resolving the controller's answers (the results' refs) as they come."""
     import ray
 
-    from ray_ingest.execution import service
-
-    cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=0.03)  # 0.15 s per item
-    catalog = load_catalog([dataset])
-    items = _items(cfg, catalog)
-    svc = service.connect(cfg, 1, catalog.fingerprint)
-    for rank in (0, 1):
-        ray.get(svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
-    while ray.get(svc.stats.remote())["history"][-1]["held"] < 1:
-        time.sleep(0.1)
-
-    def submit(rank, step):
-        item = items[step]
-        return svc.submit.remote(f"c{rank}", (0, step), catalog.shard(item.sid), item)
-
-    outer = {submit(0, s): (0, s) for s in range(6)}
-    time.sleep(0.3)
-    outer |= {submit(1, s): (1, s) for s in range(2)}
-    # completion order: poll every 10 ms (an item takes 0.15 s), resolving the controller's
-    # answers (the worker's result refs) as they come
     inner: dict = {}
     order: list = []
     deadline = time.monotonic() + 60
@@ -291,17 +271,56 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
         done, _ = ray.wait(list(inner), num_returns=len(inner), timeout=0.01)
         order += [inner[r] for r in done if inner[r] not in order]
     assert sorted(order) == sorted(outer.values())
+    return order
+
+
+def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local, dataset):
+    """One worker. Rank 0 submits steps 0-5, rank 1 joins later and submits steps 0 and 1:
+    rank 1's steps run before rank 0's later ones (the calls the worker already held
+    excepted). Ranks 2 and 3 join together, rank 3 submits its first items 0.5 s after rank 2
+    submitted steps 0-3: rank 2's later steps wait for rank 3's first (a rank that just
+    joined is not overtaken by another's look-ahead)."""
+    import ray
+
+    from ray_ingest.execution import service
+
+    cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=0.03)  # 0.15 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    svc = service.connect(cfg, 1, catalog.fingerprint)
+
+    def join(rank):
+        ray.get(svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
+
+    def submit(rank, step):
+        item = items[step]
+        return svc.submit.remote(f"c{rank}", (0, step), catalog.shard(item.sid), item)
+
+    join(0)
+    while ray.get(svc.stats.remote())["history"][-1]["held"] < 1:
+        time.sleep(0.1)
+    outer = {submit(0, s): (0, s) for s in range(6)}
+    time.sleep(0.3)
+    join(1)
+    outer |= {submit(1, s): (1, s) for s in range(2)}
+    order = _completion_order(outer)
     # rank 1's steps 0 and 1 overtake rank 0's steps 3-5, which waited at the controller; only
     # what the worker already held when rank 1 asked (two calls, a third once one finished)
     # runs before them
     first_of_1 = order.index((1, 0))
     assert order[first_of_1 + 1] == (1, 1) and 2 <= first_of_1 <= 3, order
     assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
+    join(2)
+    join(3)
+    outer = {submit(2, s): (2, s) for s in range(4)}
+    time.sleep(0.5)  # less than service.START_GRACE_S
+    outer |= {submit(3, s): (3, s) for s in range(2)}
+    assert _completion_order(outer) == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (2, 3)]
     deadline = time.monotonic() + 30  # the workers' busy time is read every control period
-    while set((stats := ray.get(svc.stats.remote()))["rank_busy_s"]) != {0, 1}:
+    while set((stats := ray.get(svc.stats.remote()))["rank_busy_s"]) != {0, 1, 2, 3}:
         assert time.monotonic() < deadline, stats["rank_busy_s"]
         time.sleep(0.2)
-    assert stats["dispatched"] == 8
-    for rank in (0, 1):
+    assert stats["dispatched"] == 14
+    for rank in range(4):
         ray.get(svc.leave.remote(f"c{rank}"))
     assert _gone(cfg, catalog)
