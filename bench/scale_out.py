@@ -417,14 +417,20 @@ class SimRanks:
         import ray
         from ray.data import DataContext
 
+        if wait_for_min_actors_s:
+            DataContext.get_current().wait_for_min_actors_s = int(wait_for_min_actors_s)
+        DataContext.get_current().enable_progress_bars = False
+        self.configure(doc, catalog, world, ranks)
+        self.node = ray.get_runtime_context().get_node_id()
+
+    def configure(self, doc: dict, catalog: Any, world: int, ranks: Sequence[int]) -> int:
+        """New loaders (another config, dataset or world) for the next phase, in this process
+        (part 3 keeps its rank processes from phase to phase)."""
         from ray_ingest.config import config_from_dict
         from ray_ingest.execution.opener import Executions
         from ray_ingest.loader.ingest import IngestLoader
         from ray_ingest.plan.topology import Topology
 
-        if wait_for_min_actors_s:
-            DataContext.get_current().wait_for_min_actors_s = int(wait_for_min_actors_s)
-        DataContext.get_current().enable_progress_bars = False
         cfg = config_from_dict(doc)
         self.loaders = {}
         lock = threading.Lock()
@@ -442,7 +448,39 @@ class SimRanks:
                                               open_execution=opener)
             if opener is not None:
                 self.loaders[rank].compute = executions.compute
-        self.node = ray.get_runtime_context().get_node_id()
+        return len(self.loaders)
+
+    def run_steps(self, barrier: Any, steps: int, compute_s: float) -> list[dict[str, Any]]:
+        """Part 3: every rank takes ``steps`` synchronous steps (bench/sync_steps.py); the
+        process arrives at the barrier once for its ranks."""
+        import ray
+
+        from bench.sync_steps import BARRIER_TIMEOUT_S, rank_loop
+
+        local = threading.Barrier(len(self.loaders), timeout=BARRIER_TIMEOUT_S)
+
+        def sync(step: int) -> None:
+            if local.wait() == 0:
+                ray.get(barrier.arrive.remote(step, len(self.loaders)),
+                        timeout=BARRIER_TIMEOUT_S)
+            local.wait()
+
+        out: dict[int, Any] = {}
+
+        def one(rank: int) -> None:
+            try:
+                out[rank] = {"rank": rank,
+                             **rank_loop(self.loaders[rank], steps, compute_s, sync)}
+            except BaseException as exc:  # reported, not lost in the thread
+                out[rank] = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+                local.abort()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in self.loaders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [out[r] for r in self.loaders]
 
     def ready(self) -> tuple[int, str]:
         return os.getpid(), self.node
@@ -752,6 +790,27 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gcs-stats-interval-s", type=float, default=3.0,
                    help="how often the GCS prints its handler counters")
     p.add_argument("--object-store-mb", type=int, default=128, help="per node")
+    p.add_argument("--sync-ranks", type=_ints, default=[16, 64],
+                   help="part 3: ranks taking synchronous steps (empty: skip part 3)")
+    p.add_argument("--sync-phases", default="below,above,churn",
+                   help="part 3 phases: below (capacity below demand), above, churn")
+    p.add_argument("--sync-steps", type=int, default=8, help="steps of the below phase")
+    p.add_argument("--sync-compute-s", type=float, default=0.05,
+                   help="simulated step (below and churn phases)")
+    p.add_argument("--sync-above-ratio", type=float, default=0.5,
+                   help="above phase: demand / decode capacity (sets the step time)")
+    p.add_argument("--sync-above-s", type=float, default=120.0,
+                   help="above phase: about this long (steps follow from the step time)")
+    p.add_argument("--sync-churn-steps", type=int, default=12)
+    p.add_argument("--sync-churn-at", type=_ints, default=[3, 7],
+                   help="churn phase: kill decode nodes after step A, add them back after B")
+    p.add_argument("--sync-churn-nodes", type=int, default=2)
+    p.add_argument("--sync-pool-max", type=int, default=1,
+                   help="part 3: decode.pool_max per rank (the job pool holds up to R x it)")
+    p.add_argument("--sync-hold-s", type=float, default=30.0, help="decode.scale_down_hold_s")
+    p.add_argument("--no-sync-prestart", dest="sync_prestart", action="store_false",
+                   help="part 3: the first rank starts the pool (not the driver, before the "
+                        "ranks: jobs/train.py's way)")
     p.add_argument("--workdir", default=None, help="datasets (default: a temporary folder)")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
@@ -828,16 +887,291 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"run {run} ranks {world}/{k}: {json.dumps(r)}", flush=True)
                     rec["ranks"].append(r)
                 report["runs"].append(rec)
+            if args.sync_ranks:
+                report["sync"] = sync_part(args, cluster, remote, tmp)
         finally:
             ray.shutdown()
             cluster.shutdown()
         report["memory_all"] = sampler.memory()
     report["summary"] = summarize(report)
     print_summary(report)
+    if report.get("sync"):
+        report["sync_summary"] = summarize_sync(report["sync"])
+        print_sync(report["sync_summary"])
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return 0
+
+
+# --- part 3: synchronous steps (bench/sync_steps.py) -----------------------------------------
+
+
+def decode_slots(args: argparse.Namespace, nodes: int) -> int:
+    """Decode workers ``nodes`` decode nodes have room for."""
+    return nodes * int(args.decode_cpus // args.decode_num_cpus)
+
+
+def sync_doc(args: argparse.Namespace, data: str, pool_max: int, sim_cost_s: float) -> dict:
+    """Part 3's loader config: decode actors on the job's pool (the default scope), sized by
+    its controller between 1 and ``pool_max`` per rank."""
+    doc = loader_doc(args, data, "actors", pool_max, None)
+    doc["decode"].update(pool_min=1, pool_max=pool_max, sim_cost_s=sim_cost_s,
+                         scale_down_hold_s=args.sync_hold_s)
+    return doc
+
+
+def phase_plan(args: argparse.Namespace, phase: str, world: int) -> tuple[int, float]:
+    """(steps, simulated step seconds) of a phase."""
+    cap = decode_slots(args, args.decode_nodes) / args.sim_cost_s
+    if phase == "below":
+        return args.sync_steps, args.sync_compute_s
+    if phase == "churn":
+        return args.sync_churn_steps, args.sync_compute_s
+    if phase == "above":
+        step = world * args.batch / (args.sync_above_ratio * cap)
+        return max(args.sync_steps, math.ceil(args.sync_above_s / step)), step
+    raise SystemExit(f"--sync-phases: unknown phase {phase!r} (below, above, churn)")
+
+
+def _decode_idle(cluster: Any, timeout_s: float = 90.0) -> None:
+    """Until no decode CPU is held (the last phase's controller ended with its workers)."""
+    from ray._private import state
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        avail = state.available_resources_per_node()
+        alive = cluster.alive("decode")
+        if all(avail.get(i.node_id, {}).get("CPU", 0.0) >= i.num_cpus for i in alive):
+            return
+        time.sleep(0.5)
+
+
+def _controller(name: str) -> dict | None:
+    import ray
+
+    try:
+        return ray.get(ray.get_actor(name).stats.remote(), timeout=10)
+    except Exception:  # not started yet, or ended
+        return None
+
+
+def prestart(args: argparse.Namespace, doc: dict, catalog: Any, world: int) -> Any:
+    """As jobs/train.py's driver does: start the job's pool before the ranks ask (None with
+    ``--no-sync-prestart``)."""
+    if not args.sync_prestart:
+        return None
+    from ray_ingest.config import config_from_dict
+    from ray_ingest.execution import service
+
+    return (time.time(), service.prestart(config_from_dict(doc), world, catalog.fingerprint))
+
+
+def pool_up(started: Any, timeout_s: float = 120.0) -> float | None:
+    """Seconds from the pre-start until every worker the pool asked for is up (or no more
+    can be placed), waited for here: the job's driver has Ray Train's start (~20 s) for it."""
+    import ray
+
+    if started is None:
+        return None
+    t, handle = started
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        h = ray.get(handle.stats.remote())["history"]
+        if h and h[-1]["held"] and (h[-1]["pending"] == 0 or h[-1]["free"] == 0):
+            return round(time.time() - t, 2)
+        time.sleep(0.25)
+    return None
+
+
+def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, catalog: Any,
+             world: int, phase: str, steps: int, compute_s: float) -> dict:
+    """One phase on ``actors`` (already configured): the figures of bench/sync_steps.py."""
+    import ray
+
+    from bench.sync_steps import StepBarrier, summarize_phase
+    from ray_ingest.config import config_from_dict
+    from ray_ingest.execution.service import service_name
+    from tests.support.multinode import MB
+
+    name = service_name(config_from_dict(doc), catalog.fingerprint)
+    per_node = decode_slots(args, 1)
+    barrier = ray.remote(StepBarrier).options(num_cpus=0, label_selector={"pool": "head"}).remote(
+        world)  # on the head: decode nodes come and go
+    slot_events = [(time.time(), per_node * len(cluster.alive("decode")))]
+    churn: dict[str, Any] = {}
+    hist = None
+    t0 = time.time()
+    refs = [a.run_steps.remote(barrier, steps, compute_s) for a in actors]
+    while True:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        hist = _controller(name) or hist
+        if len(done) == len(refs):
+            break
+        if phase != "churn":
+            continue
+        n = len(ray.get(barrier.progress.remote()))
+        if "kill" not in churn and n >= args.sync_churn_at[0]:
+            victims = cluster.alive("decode")[:args.sync_churn_nodes]
+            churn["kill"] = {"t": time.time(), "step": n, "nodes": len(victims)}
+            for v in victims:
+                cluster.kill(v)
+            slot_events.append((time.time(), per_node * len(cluster.alive("decode"))))
+        elif "kill" in churn and "add" not in churn and n >= args.sync_churn_at[1]:
+            churn["add"] = {"t": time.time(), "step": n}
+            for _ in range(args.sync_churn_nodes):
+                cluster.add("decode", args.decode_cpus, args.object_store_mb * MB, wait=False)
+        elif "add" in churn and "up" not in churn and \
+                len(cluster.alive("decode")) >= args.decode_nodes:
+            churn["up"] = {"t": time.time(), "step": n}
+            slot_events.append((time.time(), per_node * len(cluster.alive("decode"))))
+    results = [r for rs in ray.get(refs) for r in rs]
+    released = ray.get(barrier.progress.remote())
+    ray.kill(barrier)
+    errors = {r["rank"]: r["error"] for r in results if "error" in r}
+    results = [r for r in results if "error" not in r]
+    exact, mismatches = 0, {}
+    for r in results:
+        bad = compare(r["batches"], _plan_for(doc, catalog, world, r["rank"], 1))
+        if bad is None and not r["left_over_batches"]:
+            exact += 1
+        else:
+            mismatches[r["rank"]] = bad or f"{r['left_over_batches']} batches left over"
+    out = {"ranks": world, "phase": phase, "steps_planned": steps, "compute_s": compute_s,
+           "exact_ranks": exact, "mismatches": mismatches, "errors": errors,
+           "decode_compute": sorted({r["decode_compute"] for r in results})}
+    if released and results:
+        out.update(summarize_phase(results, released, t0, world, args.batch, slot_events,
+                                   args.sim_cost_s, hist))
+    out["churn"] = {k: {**v, "t": round(v["t"] - t0, 1)} for k, v in churn.items()}
+    out["pool_stats"] = sorted({x for r in results for x in r["stats"]})[:3]
+    return out
+
+
+def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, world: int,
+                fair: bool) -> dict:
+    """Time to the first batch of one rank alone: on the job pool at its fair share of the
+    capacity (one worker, the cost × R / slots), or on the whole capacity (``fair`` False)."""
+    slots = decode_slots(args, args.decode_nodes)
+    from ray_ingest.catalog.load import load_catalog
+
+    data = make_data(tmp, args.batch, args.shard_size, args.seed)  # one batch: one step
+
+    cat = load_catalog([data])
+    cost = args.sim_cost_s * world / slots if fair else args.sim_cost_s
+    doc = sync_doc(args, data, 1 if fair else slots, cost)
+    if fair:
+        doc["decode"]["pool_max"] = 1
+    import ray
+
+    _decode_idle(cluster)
+    started = prestart(args, doc, cat, 1)
+    actor = remote.options(num_cpus=args.rank_cpus, label_selector={"pool": "gpu-train"}).remote(
+        doc, ray.put(cat), 1, [0])
+    ray.get(actor.ready.remote())
+    up = pool_up(started)
+    r = sync_run(args, cluster, [actor], doc, cat, 1, "single", 1, 0.0)
+    ray.kill(actor)
+    return {"fair_share": fair, "sim_cost_s": round(cost, 4), "pool_up_s": up,
+            "first_step_s": r.get("first_step_s"), "exact": r["exact_ranks"] == 1}
+
+
+def sync_part(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str) -> dict:
+    """Part 3, ``--runs`` times: per world size, the single-rank references, then every phase
+    on the same rank processes (reconfigured between phases)."""
+    import ray
+
+    from ray_ingest.catalog.load import load_catalog
+
+    out: dict[str, Any] = {"slots": decode_slots(args, args.decode_nodes), "runs": []}
+    phases = [p for p in args.sync_phases.split(",") if p]
+    for run in range(args.runs):
+        rows: list[dict] = []
+        for world in (args.sync_ranks if run % 2 == 0 else args.sync_ranks[::-1]):
+            ref = {"fair": single_rank(args, cluster, remote, tmp, world, True),
+                   "whole": single_rank(args, cluster, remote, tmp, world, False)}
+            print(f"run {run} single rank for {world}: {json.dumps(ref)}", flush=True)
+            k = args.ranks_per_process
+            groups = [list(range(r, min(r + k, world))) for r in range(0, world, k)]
+            actors: list = []
+            for phase in phases:
+                steps, compute_s = phase_plan(args, phase, world)
+                data = make_data(tmp, world * steps * args.batch, args.shard_size, args.seed)
+                cat = load_catalog([data])
+                cat_ref = ray.put(cat)
+                doc = sync_doc(args, data, args.sync_pool_max, args.sim_cost_s)
+                _decode_idle(cluster)
+                started = prestart(args, doc, cat, world)
+                if not actors:
+                    actors = [remote.options(num_cpus=args.rank_cpus * len(g),
+                                             label_selector={"pool": "gpu-train"})
+                              .remote(doc, cat_ref, world, g) for g in groups]
+                    ray.get([a.ready.remote() for a in actors])
+                else:
+                    ray.get([a.configure.remote(doc, cat_ref, world, g)
+                             for a, g in zip(actors, groups, strict=True)])
+                up = pool_up(started)
+                r = sync_run(args, cluster, actors, doc, cat, world, phase, steps, compute_s)
+                r["pool_up_s"], r["single_rank"] = up, ref
+                if r.get("first_step_s") and ref["fair"]["first_step_s"]:
+                    r["first_step_over_single_fair"] = round(
+                        r["first_step_s"] / ref["fair"]["first_step_s"], 2)
+                    r["first_step_over_single_whole"] = round(
+                        r["first_step_s"] / ref["whole"]["first_step_s"], 2)
+                print(f"run {run} sync {world} {phase}: {json.dumps(r)}", flush=True)
+                rows.append(r)
+            for a in actors:
+                ray.kill(a)
+        out["runs"].append(rows)
+    return out
+
+
+def summarize_sync(sync: dict) -> dict:
+    """Medians over the runs per (ranks, phase) of the figures the issue asks for."""
+    by: dict[tuple[int, str], list[dict]] = collections.defaultdict(list)
+    for rows in sync["runs"]:
+        for r in rows:
+            by[(r["ranks"], r["phase"])].append(r)
+    out = {}
+    for (world, phase), rows in sorted(by.items()):
+        def med(key: str, rows: list = rows) -> float | None:
+            vals = [r[key] for r in rows if r.get(key) is not None]
+            return round(statistics.median(vals), 3) if vals else None
+
+        def med2(a: str, b: str, rows: list = rows) -> float | None:
+            vals = [r[a][b] for r in rows if r.get(a) and r[a].get(b) is not None]
+            return round(statistics.median(vals), 3) if vals else None
+
+        out[f"{world} {phase}"] = {
+            "runs": len(rows), "all_exact": all(r["exact_ranks"] == world for r in rows),
+            "efficiency": med("efficiency"), "efficiency_per_run": [r.get("efficiency")
+                                                                   for r in rows],
+            "sync_samples_per_s": med("sync_samples_per_s"),
+            "capacity_samples_per_s": med("capacity_samples_per_s"),
+            "first_step_s": med("first_step_s"),
+            "first_step_over_single_fair": med("first_step_over_single_fair"),
+            "first_step_over_single_whole": med("first_step_over_single_whole"),
+            "data_wait_share_median": med2("data_wait_share_of_step", "median"),
+            "data_wait_share_max": med2("data_wait_share_of_step", "max"),
+            "held_over_busy": med2("decode_cpus", "held_over_busy"),
+            "held_over_busy_after_60s": med2("decode_cpus_after_60s", "held_over_busy"),
+            "held_cpus_after_60s": med2("decode_cpus_after_60s", "held_cpus"),
+            "busy_cpus_after_60s": med2("decode_cpus_after_60s", "busy_cpus"),
+        }
+    return out
+
+
+def print_sync(summary: dict) -> None:
+    print("\nsynchronous steps (medians of the runs): ranks phase  exact  efficiency  "
+          "sync/s of capacity/s  first step s (x single rank at fair share, x whole)  "
+          "data-wait % of step (median, max)  decode CPUs held/busy (after 60 s)")
+    for key, v in summary.items():
+        print(f"{key:12s} {str(v['all_exact']):5s}  {v['efficiency']}  "
+              f"{v['sync_samples_per_s']} of {v['capacity_samples_per_s']}  "
+              f"{v['first_step_s']} ({v['first_step_over_single_fair']}x, "
+              f"{v['first_step_over_single_whole']}x)  "
+              f"{v['data_wait_share_median']}, {v['data_wait_share_max']}  "
+              f"{v['held_over_busy']} ({v['held_over_busy_after_60s']})")
 
 
 def summarize(report: dict) -> dict:

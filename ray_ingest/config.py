@@ -39,6 +39,7 @@ DECODER_ALIASES = {"rgb8": "rgb", "l8": "gray", "l": "gray", "txt": "text", "cls
 RESAMPLE_MODES = ("nearest", "bilinear", "none")
 ON_ERROR = ("raise", "skip")
 COMPUTE_MODES = ("auto", "actors", "tasks", "threads", "process")
+POOL_SCOPES = ("job", "rank")
 GROUP_SHARE = ("broadcast", "off")
 
 
@@ -161,7 +162,14 @@ class DecodeConfig:
     #: ``compute: auto`` decodes in threads on a one-node cluster whose node (as this process
     #: sees it) has at most this many cores, where decode actors cost more than they add.
     small_node_cores: int = attrs.field(default=4, validator=_at_least(0))
+    #: Whose decode actors (``compute: actors`` on the rank's own pool): ``job``, one pool
+    #: shared by every rank of the job, sized by a controller from all ranks' data-wait and
+    #: the workers' busy time, run earliest step first (ray_ingest.execution.service); ``rank``,
+    #: each rank's own pool of pool_min..pool_max actors (ray_ingest.execution.pool).
+    pool_scope: str = attrs.field(default="job", validator=_one_of(POOL_SCOPES))
     #: Elastic decode actor pool: min..max actors (tasks: pool_max is the concurrency cap).
+    #: With ``pool_scope: job``: the job keeps at least pool_min and at most pool_max x its
+    #: decoding ranks.
     pool_min: int = attrs.field(default=1, validator=_at_least(1))
     pool_max: int = attrs.field(default=2, validator=_at_least(1))
     #: Logical CPUs per decode actor (fractional avoids small-cluster deadlocks).

@@ -22,7 +22,18 @@ exported name                              type        what
 ``ray_ingest_bytes_read_total``            Counter     member payload bytes read (read tasks)
 ``ray_ingest_decode_pool_size``            Gauge       decode actors that delivered recently
 ``ray_ingest_epoch``                       Gauge       epoch the loader is reading
+``ray_ingest_decode_cpus``                 Gauge       the job's decode pool (``kind``: target,
+                                                       busy), this rank's share of it
+``ray_ingest_job_decode_cpus``             Gauge       the job's decode pool, whole (``kind``:
+                                                       target, held, pending, busy)
 =========================================  ==========  =========================================
+
+The decode-CPU gauges come from the job's decode controller
+(:mod:`ray_ingest.execution.service`, ``decode.pool_scope: job``): ``target`` is what it sizes
+the pool to (a rank's: an equal share), ``held`` the CPUs of the workers up, ``pending`` those
+of workers no node has room for yet (what the autoscaler sees), ``busy`` the CPUs decoding,
+averaged over 5 s (a rank's: the time spent on its own items). The job gauges are tagged
+``job`` (the Ray job id) and ``dataset`` instead of ``rank``/``slot``.
 
 Gauges are set again with delivered batches (Ray's exporter drops a gauge series that is not
 refreshed for about two report intervals): they disappear soon after the loader stops.
@@ -62,7 +73,14 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "ingest_bytes_read": ("counter", "Member payload bytes read by read tasks", ()),
     "ingest_decode_pool_size": ("gauge", "Decode actors that delivered recently", ()),
     "ingest_epoch": ("gauge", "Epoch the loader is reading", ()),
+    "ingest_decode_cpus": ("gauge", "Decode CPUs of the job's pool for this rank, by kind "
+                           "(target, busy)", ("kind",)),
+    "ingest_job_decode_cpus": ("gauge", "Decode CPUs of the job's pool, by kind (target, held, "
+                               "pending, busy)", ("kind",)),
 }
+#: Metrics tagged by job instead of rank and slot.
+JOB_TAG_KEYS = ("job", "dataset")
+JOB_METRICS = ("ingest_job_decode_cpus",)
 
 _LOCK = threading.Lock()
 _METRICS: dict[str, Any] = {}
@@ -88,7 +106,7 @@ def _metric(name: str) -> Any | None:
             from ray.util import metrics as rm
 
             kind, description, extra = DEFINITIONS[name]
-            keys = TAG_KEYS + extra
+            keys = (JOB_TAG_KEYS if name in JOB_METRICS else TAG_KEYS) + extra
             if kind == "counter":
                 m = rm.Counter(name, description=description, tag_keys=keys)
             elif kind == "gauge":
@@ -172,6 +190,21 @@ class LoaderMetrics:
         ever seen only grows)."""
         self._recent.append(frozenset(str(a) for a in actor_ids))
         self.set_pool_size(len(frozenset().union(*self._recent)))
+
+
+def job_tags(job: str, dataset: str) -> dict[str, str]:
+    """The tag values of a job's decode controller."""
+    return {"job": str(job), "dataset": str(dataset)}
+
+
+def record_job(kind: str, cpus: float, tag_values: Mapping[str, str]) -> None:
+    """The job's decode CPUs of ``kind`` (target, held, pending, busy) now."""
+    _record("ingest_job_decode_cpus", cpus, {**tag_values, "kind": kind}, "set")
+
+
+def record_rank(kind: str, cpus: float, tag_values: Mapping[str, str]) -> None:
+    """A rank's decode CPUs of ``kind`` (target, busy) in the job's pool now."""
+    _record("ingest_decode_cpus", cpus, {**tag_values, "kind": kind}, "set")
 
 
 @contextlib.contextmanager

@@ -1,11 +1,13 @@
 """Which execution reads and decodes a rank's read items: threads of this process or Ray.
 
-``decode.compute`` resolved once, for this cluster, here (``auto``: threads on a small one-node
-cluster, actors otherwise, :func:`ray_ingest.execution.threads.resolve_compute`), and the
-executions of a loader's windows opened by it: :class:`~ray_ingest.execution.threads.
-ThreadedExecution` (no Ray), or, behind the head start (:mod:`ray_ingest.execution.headstart`)
-where that applies, the rank's own Ray workers (:class:`~ray_ingest.execution.pool.
-PoolExecution`: actors, tasks, the ``process`` companion) or a Ray Data execution
+``decode.compute`` resolved once, for this cluster, here (``auto``: the ``process`` companion on
+a small one-node cluster, actors otherwise, threads only without a running Ray,
+:func:`ray_ingest.execution.threads.resolve_compute`), and the executions of a loader's windows
+opened by it: :class:`~ray_ingest.execution.threads.ThreadedExecution` (no Ray), or, behind the
+head start (:mod:`ray_ingest.execution.headstart`) where that applies, the job's shared decode
+pool (:class:`~ray_ingest.execution.jobpool.JobPoolExecution`, ``decode.pool_scope: job``), the
+rank's own Ray workers (:class:`~ray_ingest.execution.pool.PoolExecution`: actors with
+``pool_scope: rank``, tasks, the ``process`` companion) or a Ray Data execution
 (:class:`ray_ingest.execution.raydata.Execution`, with ``loader.fused_read: false``), each
 imported only then. Imports Ray only to open a Ray execution.
 """
@@ -61,7 +63,7 @@ class Executions:
         self.compute = "custom"
         if custom is None:
             self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
-            cfg = attrs.evolve(cfg, decode=attrs.evolve(cfg.decode, compute=self.compute))
+            cfg = with_compute(cfg, self.compute)
         self.cfg = cfg
         #: Decode threads of ``compute: threads``.
         self.threads = decode_threads(cfg.decode, node_pipelines)
@@ -88,8 +90,24 @@ class Executions:
         self.heads.append(HeadStart(local, self._ray(rest) if rest else None))
         return self.heads[-1]
 
+    @property
+    def pipelines(self) -> int:
+        """The job's pipelines: one per group when its leader decodes for it."""
+        topo = self.topology
+        return max(1, topo.world_size // (topo.group_size if self.shared else 1))
+
+    @property
+    def job_pool(self) -> bool:
+        """Whether the rank draws from the job's shared decode pool (execution/service.py)."""
+        return self._custom is None and uses_job_pool(self.cfg)
+
     def _ray(self, items: list[ReadItem]) -> Execution:
         topo = self.topology
+        if self.job_pool:
+            from ray_ingest.execution.jobpool import JobPoolExecution
+
+            return JobPoolExecution(self.cfg, self.catalog, items, self.tags, topo.rank,
+                                    self.pipelines)
         if self.compute == "process" or self.cfg.loader.fused_read:
             from ray_ingest.execution.pool import PoolExecution
 
@@ -97,9 +115,33 @@ class Executions:
                                  threads=self.threads)
         from ray_ingest.execution.raydata import Execution as RayExecution
 
-        # one pipeline per group when its leader decodes for it: a share of the cluster each
-        pipelines = topo.world_size // (topo.group_size if self.shared else 1)
-        return RayExecution(self.cfg, self.catalog, items, pipelines, self.tags, topo.rank)
+        # a share of the cluster per pipeline
+        return RayExecution(self.cfg, self.catalog, items, self.pipelines, self.tags, topo.rank)
+
+
+def with_compute(cfg: Config, compute: str) -> Config:
+    """``cfg`` with ``decode.compute`` resolved (what the executions, and the job pool's name,
+    are built from)."""
+    return attrs.evolve(cfg, decode=attrs.evolve(cfg.decode, compute=compute))
+
+
+def uses_job_pool(cfg: Config) -> bool:
+    """Whether ranks of ``cfg`` (``decode.compute`` resolved) draw from the job's pool."""
+    return (cfg.decode.compute == "actors" and cfg.loader.fused_read
+            and cfg.decode.pool_scope == "job")
+
+
+def prestart_job_pool(cfg: Config, dataset: str, pipelines: int) -> bool:
+    """From the job's driver, on a running Ray: start the job's decode pool now when its ranks
+    will use one (``decode.compute`` resolved as they resolve it), so its workers start while
+    Ray Train starts the ranks. Returns whether it did."""
+    resolved = with_compute(cfg, resolve_compute(cfg.decode, _ray_nodes(), usable_cores()))
+    if not uses_job_pool(resolved):
+        return False
+    from ray_ingest.execution import service
+
+    service.prestart(resolved, pipelines, dataset)
+    return True
 
 
 def _ray_nodes() -> int | None:

@@ -40,6 +40,7 @@ from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
 from ray_ingest.decode.sizing import block_rows, decoded_sample_bytes
 from ray_ingest.errors import IngestError, StallError
+from ray_ingest.execution.fairshare import PER_WORKER
 from ray_ingest.execution.local import ItemDecoder
 from ray_ingest.plan.epoch import ReadItem
 
@@ -48,9 +49,8 @@ log = logging.getLogger(__name__)
 Block = dict[str, np.ndarray]
 #: Modes this module runs.
 POOL_MODES = ("actors", "tasks", "process")
-#: Calls in flight per decode actor: one running, one queued behind it (no idle gap between
-#: two items); a task pool keeps as many tasks queued as running.
-PER_WORKER = 2
+# PER_WORKER (fairshare): calls in flight per decode actor, one running and one queued behind
+# it (no idle gap between two items); a task pool keeps as many tasks queued as running.
 #: Granularity of a wait: growing, shrinking and resubmitting happen between waits.
 POLL_S = 0.1
 
@@ -234,14 +234,7 @@ class PoolExecution:
 
         A rank that has to wait on a full pool is what growing is for (past the first item:
         every pool waits for its first)."""
-        t0 = time.monotonic()
-        ready, _ = ray.wait([call.ref], timeout=0)
-        while not ready:
-            if self.done:
-                self._maybe_grow()
-            self._fill()
-            self._check_stall(time.monotonic() - t0)
-            ready, _ = ray.wait([call.ref], timeout=POLL_S)
+        self._wait_for(call)
         self._calls.popleft()
         try:
             blocks = ray.get(call.ref)
@@ -258,6 +251,17 @@ class PoolExecution:
         self._maybe_shrink()
         self._fill()
         yield from blocks
+
+    def _wait_for(self, call: _Call) -> None:
+        """Until ``call`` is done: growing, submitting and checking for a stall meanwhile."""
+        t0 = time.monotonic()
+        ready, _ = ray.wait([call.ref], timeout=0)
+        while not ready:
+            if self.done:
+                self._maybe_grow()
+            self._fill()
+            self._check_stall(time.monotonic() - t0)
+            ready, _ = ray.wait([call.ref], timeout=POLL_S)
 
     def _replace(self, call: _Call) -> None:
         """Its actor is gone for good: drop it, resubmit its items in their places."""

@@ -58,23 +58,50 @@ def decode_threads(dc: DecodeConfig, node_pipelines: int = 1) -> int:
 
 
 def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:
-    """``decode.compute``, ``auto`` resolved: ``threads`` on a small one-node cluster.
+    """``decode.compute``, ``auto`` resolved: decode off the trainer's process whenever Ray is
+    up; ``threads`` only without a running Ray.
 
     Args:
         dc: the decode settings.
         nodes: alive nodes of the Ray cluster (None: no Ray running, this machine alone).
         cores: cores this process may use (:func:`usable_cores`).
 
-    Decode actors pay for themselves where there are cores beyond this node's to spread over
-    or a node large enough that a second process's start-up and IPC are small next to its
-    decode; on a node of a few cores they take a tenth of it (docs/benchmarks.md). A label
-    selector names decode nodes of their own, so it always means actors.
+    On a small one-node cluster (at most ``decode.small_node_cores`` cores) ``process``: one
+    companion process per rank on its node, no object-store hop to another node and no pool
+    start-up per actor, and the trainer's step keeps its cores and its GIL (threads in the
+    trainer slowed a train step 1.64× against 1.05× for ``process``, docs/benchmarks.md).
+    Elsewhere (more nodes, a larger node, or a label selector naming decode nodes) ``actors``:
+    the job's elastic pool. Without Ray there is nothing to decode in but this process.
     """
     if dc.compute != "auto":
         return dc.compute
-    if dc.label_selector or (nodes or 1) > 1 or cores > dc.small_node_cores:
+    if nodes is None:
+        return "threads"
+    if dc.label_selector or nodes > 1 or cores > dc.small_node_cores:
         return "actors"
-    return "threads"
+    return "process"
+
+
+#: What each resolved ``decode.compute`` means, in words (the job says it once per run).
+COMPUTE_WORDS = {
+    "threads": "decode threads inside the trainer's process (no Ray running)",
+    "process": "one companion decode process per rank on its own node, off the trainer's "
+               "process",
+    "actors": "decode actors off the trainer's process",
+    "tasks": "Ray tasks off the trainer's process, one per read item",
+    "custom": "a custom execution",
+}
+
+
+def describe_compute(compute: str, threads: int = 1, scope: str = "job") -> str:
+    """``decode.compute`` (resolved) in words, e.g. for the job's ``[train] decode:`` line."""
+    words = COMPUTE_WORDS.get(compute, compute)
+    if compute == "actors":
+        words = ("the job's shared, elastic pool of " if scope == "job"
+                 else "each rank's own elastic pool of ") + words
+    if compute in ("process", "threads"):
+        words += f", {threads} decode thread{'s' if threads != 1 else ''}"
+    return f"{compute}: {words}"
 
 
 class ThreadedExecution:

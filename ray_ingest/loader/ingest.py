@@ -36,6 +36,7 @@ from ray_ingest.execution.opener import (
     Executions,
     Opener,
 )
+from ray_ingest.execution.threads import describe_compute
 from ray_ingest.loader import checkpoint
 from ray_ingest.loader.account import BlockAccount
 from ray_ingest.loader.batcher import BucketBatcher
@@ -361,6 +362,11 @@ class IngestLoader:
     def _waited(self, seconds: float) -> None:
         self.clock.wait += seconds
         self.recorder.on_wait(seconds)
+
+    def describe_decode(self) -> str:
+        """What decodes for this rank, in words (``decode.compute`` resolved)."""
+        return describe_compute(self.compute, self.executions_of.threads,
+                                self.cfg.decode.pool_scope)
 
     def _keep_stats(self, stats: str) -> None:
         self.data_stats.append(stats)

@@ -116,6 +116,8 @@ class WorkerRun:
         self.global_step = 0
         state = self._restore()
         self.loader = self._loader(config, state, ctx.get_local_world_size())
+        if self.rank == 0:  # which decode mode ran, in words (make demo shows it)
+            say(f"[train] decode: {self.loader.describe_decode()}")
         self.done = cfg.train.max_steps is not None and self.global_step >= cfg.train.max_steps
         if not self.done:
             self.loader.start(cfg.train.epochs)  # decode actors start while the model is wrapped
@@ -284,7 +286,7 @@ class WorkerRun:
                 "bytes_read": clock.bytes_read,
                 "group_share": "off" if share is None else
                 ("leader" if share.leader else "follower"),
-                "executions": loader.executions,
+                "executions": loader.executions, "decode_compute": loader.compute,
                 "first_loss": self.losses[0] if self.losses else None,
                 "actors_seen": len(loader.actors_seen),
                 "decode_nodes": dict(loader.decode_nodes), "read_nodes": dict(loader.read_nodes),

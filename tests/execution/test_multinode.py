@@ -392,10 +392,14 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
 
 # --- 3. Object-store pressure: 100 MB stores, 48 MB decoded blocks ----------------------------
 
-def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tmp_path):
+@pytest.mark.parametrize("scope,pool_max", [("rank", 2), ("job", 1)])
+def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tmp_path, scope,
+                                                                    pool_max):
     """Decode nodes with 100 MB object stores and 48 MB decoded blocks (16 samples of 1024x1024
     RGB): Ray Data backpressure and plasma spilling/fallback absorb it. No node dies, no block is
-    lost, every sample arrives once; peak use per node is reported against its limit."""
+    lost, every sample arrives once; peak use per node is reported against its limit. On the
+    rank's own pool (one actor, two calls) and on the job's (one worker: the rank's window of
+    three calls queues on it, so the pressure lands on one node, as the rank pool's does)."""
     from ray_ingest.catalog.load import load_catalog
     from ray_ingest.config import config_from_dict
     from ray_ingest.decode.sizing import in_flight_bytes
@@ -409,8 +413,8 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
     synth_dataset(data, samples=samples, shard_size=48, seed=5, min_side=200, max_side=256)
     cfg = config_from_dict({
         "data": {"paths": [data]},
-        "decode": {"resolution": res, "pool_min": 1, "pool_max": 2, "num_cpus": 2.5,
-                   "label_selector": {"pool": "cpu-decode"}},
+        "decode": {"resolution": res, "pool_min": 1, "pool_max": pool_max, "num_cpus": 2.5,
+                   "label_selector": {"pool": "cpu-decode"}, "pool_scope": scope},
         "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1,
                    "read_num_cpus": 0.25,
                    "block_rows": block_rows, "max_block_bytes": 64 * MB,
@@ -436,7 +440,7 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
     # the pressure was real: some decode node filled at least half of its store
     assert max(p["used"] for p in decoded.values()) >= 0.5 * 100 * MB, decoded
     formula = in_flight_bytes(cfg, actors=len(loader.actors_seen))
-    FIGURES["object_store"] = {
+    FIGURES[f"object_store_{scope}_pool"] = {
         "block_mb": round(block_rows * res * res * 3 / MB, 1),
         "formula_mb": {k: round(formula[k] / MB, 1)
                        for k in ("decode_side", "consumer_side", "total")},

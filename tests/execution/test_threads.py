@@ -21,6 +21,7 @@ from ray_ingest.execution.threads import (
     THREAD_ACTOR,
     ThreadedExecution,
     decode_threads,
+    describe_compute,
     resolve_compute,
     usable_cores,
 )
@@ -150,18 +151,33 @@ def test_close_stops_the_threads_without_hanging(setup):
         time.sleep(0.05)
 
 
-def test_auto_decodes_in_threads_only_on_a_small_single_node():
+def test_auto_decodes_off_the_trainer_whenever_ray_is_up():
     auto = DecodeConfig()
     assert auto.compute == "auto"
-    assert resolve_compute(auto, nodes=1, cores=2) == "threads"
-    assert resolve_compute(auto, nodes=None, cores=4) == "threads"  # no Ray: this machine
+    # a small one-node cluster: the companion process on the rank's node, not threads
+    assert resolve_compute(auto, nodes=1, cores=2) == "process"
+    assert resolve_compute(auto, nodes=1, cores=4) == "process"
+    # no Ray running: this process is all there is
+    assert resolve_compute(auto, nodes=None, cores=4) == "threads"
+    assert resolve_compute(auto, nodes=None, cores=64) == "threads"
     assert resolve_compute(auto, nodes=1, cores=5) == "actors"
     assert resolve_compute(auto, nodes=2, cores=2) == "actors"  # cores beyond this node
     assert resolve_compute(DecodeConfig(label_selector={"pool": "cpu-decode"}), 1, 2) == "actors"
     assert resolve_compute(DecodeConfig(small_node_cores=0), 1, 1) == "actors"
-    for mode in ("actors", "tasks", "threads"):
+    for mode in ("actors", "tasks", "threads", "process"):
         assert resolve_compute(DecodeConfig(compute=mode), nodes=1, cores=2) == mode
         assert resolve_compute(DecodeConfig(compute=mode), nodes=8, cores=64) == mode
+        assert resolve_compute(DecodeConfig(compute=mode), nodes=None, cores=2) == mode
+
+
+def test_the_resolved_mode_is_said_in_words():
+    assert describe_compute("process", 1).startswith("process: one companion decode process "
+                                                     "per rank on its own node, off the trainer")
+    assert describe_compute("process", 2).endswith(", 2 decode threads")
+    assert "inside the trainer's process" in describe_compute("threads", 4)
+    assert describe_compute("actors").startswith("actors: the job's shared, elastic pool")
+    assert describe_compute("actors", scope="rank").startswith("actors: each rank's own")
+    assert describe_compute("tasks").startswith("tasks: Ray tasks off the trainer's process")
 
 
 def test_thread_count_defaults_to_twice_the_usable_cores_shared_by_the_nodes_pipelines():

@@ -504,6 +504,8 @@ def test_executions_resolve_auto_once_and_open_threads_without_ray(tmp_path, mon
     catalog = load_catalog([out])
     monkeypatch.setattr(executions, "_ray_nodes", lambda: 2)  # a cluster of two nodes
     assert Executions(cfg, catalog, Topology(2, 1, 1)).compute == "actors"
+    monkeypatch.setattr(executions, "_ray_nodes", lambda: 1)  # Ray up on this one node
+    assert Executions(cfg, catalog, Topology(2, 1, 1)).compute == "process"
     monkeypatch.setattr(executions, "_ray_nodes", lambda: None)  # no Ray: this machine alone
     ex = Executions(cfg, catalog, Topology(2, 1, 1), node_pipelines=2)
     assert ex.compute == "threads" and ex.cfg.decode.compute == "threads"

@@ -1,0 +1,262 @@
+"""Fair shares of a job's decode pool: which call a shared decode worker runs next, and how
+many workers the job holds. No Ray, no torch.
+
+A data-parallel step waits for its slowest rank, so a job's decode capacity is worth what it
+turns into *synchronous steps*. Two rules make the shared pool
+(:mod:`ray_ingest.execution.service`) fair and elastic:
+
+* **Earliest step first.** Every call carries the step its rows are for, :func:`step_key`:
+  ``(epoch, stream position // batch_size)``, equal on every rank for the same step (every
+  rank of a job consumes the same positions of its own slot's stream at the same step). A
+  worker runs its queued calls lowest key first (:class:`PriorityGate`), so no rank's step k+1
+  is decoded before another rank's step k: ranks that are behind catch up instead of waiting
+  for everyone else's look-ahead (docs/architecture.md, "The job's decode pool").
+* **Sized by demand** (:class:`Sizer`): grow while the ranks wait on data and the workers are
+  busy; shrink to the busy CPUs plus headroom once the ranks have not waited for
+  ``hold_s`` (trainer-bound: batches queued, data-wait about 0), not only once fully idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from ray_ingest.plan.epoch import ReadItem
+
+#: A call's place in the job's schedule: (epoch, step); lower runs first.
+StepKey = tuple[int, int]
+#: Calls a worker holds at once: one running, one queued behind it (no idle gap between two).
+PER_WORKER = 2
+
+
+def step_key(item: ReadItem, batch_size: int) -> StepKey:
+    """The step whose batch ``item``'s first row goes into: ``(epoch, seq // batch_size)``."""
+    return (int(item.epoch), int(item.seq) // max(1, batch_size))
+
+
+class PriorityGate:
+    """At most ``slots`` holders at once (asyncio); waiters are let in lowest key first, ties in
+    arrival order. A waiter cancelled while queued leaves no trace; one cancelled just as it
+    was let in passes its slot on."""
+
+    def __init__(self, slots: int = 1):
+        self.free = max(1, slots)
+        self._heap: list[tuple[Any, int, asyncio.Future]] = []
+        self._arrival = itertools.count()
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for _, _, f in self._heap if not f.done())
+
+    async def acquire(self, key: Any) -> None:
+        if self.free and not self.queued:
+            self.free -= 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (key, next(self._arrival), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # let in, then cancelled: pass it on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        while self._heap:
+            _, _, fut = heapq.heappop(self._heap)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.free += 1
+
+
+@attrs.frozen
+class Signals:
+    """What the job's controller sees at time ``t`` (cumulative counters are monotone)."""
+
+    #: Controller clock, seconds.
+    t: float
+    #: Workers up (in the roster) and workers starting (not yet placed or not yet up).
+    held: int
+    pending: int
+    #: Seconds the job's workers spent decoding, summed over workers, since the job began.
+    busy_s: float
+    #: Seconds the ranks waited on the pool for their next rows, summed over ranks.
+    wait_s: float
+    #: Ranks drawing from the pool now.
+    ranks: int
+    #: Items waiting for a worker (demand the workers have not started).
+    queued: int
+    #: Workers the cluster has room for now (free CPUs on the nodes decode may use).
+    free: int
+    #: Workers the ranks' consumption keeps busy (:func:`consumption_demand`; None: too few
+    #: items taken yet to tell).
+    demand: float | None = None
+
+
+@attrs.frozen
+class SizerSettings:
+    """Bounds and thresholds of :class:`Sizer` (docs/architecture.md gives the reasons)."""
+
+    #: Workers the job keeps at least (``decode.pool_min``) and at most (``pool_max`` × the
+    #: job's pipelines).
+    lo: int = attrs.field(validator=attrs.validators.ge(0))
+    hi: int = attrs.field(validator=attrs.validators.ge(1))
+    #: Seconds of no data-wait before the pool shrinks (``decode.scale_down_hold_s``); also
+    #: the window the busy CPUs are averaged over.
+    hold_s: float = 30.0
+    #: Workers kept per busy worker when shrinking.
+    headroom: float = 1.2
+    #: Grow when the ranks waited more than this share of the last ``grow_window_s``...
+    grow_wait: float = 0.05
+    grow_window_s: float = 5.0
+    #: ...and the workers were busy more than this share of it (or calls were queued).
+    grow_busy: float = 0.75
+    #: Shrink only when the ranks waited less than this share of the last ``hold_s``.
+    shrink_wait: float = 0.02
+
+
+class Sizer:
+    """The job pool's target size, from :class:`Signals` sampled every control period.
+
+    * **Start:** the free room, within ``lo..hi``: a job starts with what the cluster can
+      place now, and at least ``lo`` (pending workers are demand the autoscaler sees).
+    * **Grow** (data-wait over ``grow_wait`` and workers busy, or items waiting for a worker)
+      by as many workers as the waiting items keep busy, within the free room when there is
+      any, else by one pending worker (again demand for the autoscaler); never while workers
+      are still starting.
+    * **Shrink** after ``hold_s`` without data-wait (since the last growth), to the workers
+      the ranks' consumption keeps busy (:func:`consumption_demand`; the busy workers over
+      that ``hold_s`` where it is not known, or where they are fewer) × ``headroom`` (at
+      least ``lo``), again at most
+      every third of ``hold_s`` while it holds: trainer-bound ranks give back what they do
+      not use within about ``2 × hold_s``; a pause of the train loop shorter than ``hold_s``
+      keeps the pool, and so does a pool no rank has joined yet (started early by the job's
+      driver).
+    """
+
+    def __init__(self, settings: SizerSettings):
+        self.s = settings
+        self.target: int | None = None
+        self.reason = "start"
+        #: When the pool last grew (or started, or its first ranks came): the no-wait window
+        #: of a shrink starts after it. When it last shrank: the next shrink waits a third of
+        #: ``hold_s`` (the busy average still covers the whole ``hold_s``).
+        self._grown = self._shrunk = 0.0
+        self._hist: collections.deque[Signals] = collections.deque()
+
+    def update(self, sig: Signals) -> int:
+        """The target after ``sig`` (also :attr:`target`; :attr:`reason` says why)."""
+        s = self.s
+        self._hist.append(sig)
+        keep = max(s.hold_s, s.grow_window_s) + 1.0
+        while len(self._hist) > 2 and sig.t - self._hist[1].t >= keep:
+            self._hist.popleft()
+        if self.target is None:
+            self.target = _clamp(sig.held + sig.pending + sig.free, s.lo, s.hi)
+            self._grown = sig.t
+            return self.target
+        if sig.ranks and not self._hist[-2].ranks:
+            self._grown = sig.t  # the first ranks came: what was before says nothing
+        grown = self._grow(sig)
+        if grown is None:
+            self._shrink(sig)
+        return self.target
+
+    def _since(self, sig: Signals, seconds: float) -> Signals | None:
+        """The latest sample at least ``seconds`` before ``sig`` (None: history too short)."""
+        for old in reversed(self._hist):
+            if sig.t - old.t >= seconds:
+                return old
+        return None
+
+    def _grow(self, sig: Signals) -> int | None:
+        s, target = self.s, self.target or 0
+        old = self._since(sig, s.grow_window_s)
+        if old is None or sig.pending or target >= s.hi:
+            return None
+        dt = sig.t - old.t
+        wait = (sig.wait_s - old.wait_s) / (dt * max(1, sig.ranks))
+        busy = (sig.busy_s - old.busy_s) / (dt * max(1, sig.held))
+        if wait <= s.grow_wait or not (busy >= s.grow_busy or sig.queued > 0):
+            return None
+        # as many as the items waiting for a worker can keep busy, within the free room; none
+        # free: one pending worker, demand the autoscaler sees
+        step = min(sig.free, max(1, math.ceil(sig.queued / PER_WORKER))) if sig.free > 0 else 1
+        self.target = min(s.hi, max(target, sig.held + step))
+        self.reason = f"grow: ranks waited {wait:.0%}, workers busy {busy:.0%}"
+        self._grown = sig.t
+        return self.target
+
+    def _shrink(self, sig: Signals) -> None:
+        s, target = self.s, self.target or 0
+        old = self._since(sig, s.hold_s)
+        if (old is None or old.t < self._grown or sig.t - self._shrunk < s.hold_s / 3
+                or not sig.ranks):
+            return  # (no rank: none came yet, or they left and the controller ends soon)
+        dt = sig.t - old.t
+        wait = (sig.wait_s - old.wait_s) / (dt * max(1, sig.ranks))
+        if wait >= s.shrink_wait:
+            return
+        busy = (sig.busy_s - old.busy_s) / dt
+        # what the ranks consume, when known: busy also counts the look-ahead the ranks'
+        # windows fill at their start, which a steady state does not need
+        need = busy if sig.demand is None else min(busy, sig.demand)
+        want = _clamp(math.ceil(need * s.headroom - 1e-9), s.lo, s.hi)
+        if want < target:
+            self.target = want
+            self.reason = (f"shrink: ranks waited {wait:.1%} over {dt:.0f} s, "
+                           f"{busy:.2f} workers busy, consumption keeps "
+                           f"{'?' if sig.demand is None else f'{sig.demand:.2f}'} busy")
+            self._shrunk = sig.t
+
+
+def consumption_demand(taken: Sequence[Sequence[tuple[float, int]]], now: float,
+                       window_s: float, cost_s: float | None) -> float | None:
+    """Workers the ranks' consumption keeps busy: per rank, the items it took over the last
+    ``window_s`` (from its first to its last change in the window, so that the bursts a step
+    barrier makes are counted whole) per second, summed, × ``cost_s`` seconds of a worker per
+    item. None when no rank changed twice in the window or the cost is unknown.
+
+    Args:
+        taken: per rank, ``(time, items taken so far)`` at each change, oldest first.
+        now: the clock ``taken`` uses.
+        window_s: how far back to look.
+        cost_s: a worker's seconds per item (the pool's busy seconds / items finished).
+    """
+    if not cost_s:
+        return None
+    rate, seen = 0.0, False
+    for samples in taken:
+        recent = [(t, n) for t, n in samples if now - t <= window_s]
+        if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+            continue
+        seen = True
+        rate += (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+    return rate * cost_s if seen else None
+
+
+def _clamp(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, n))
+
+
+def ahead_calls(batch_size: int, block_rows: int) -> int:
+    """Read items (of at most ``block_rows`` rows) that cover two batches: a rank's next step
+    and the one after, so the workers never run dry at a step boundary."""
+    return 2 * math.ceil(batch_size / max(1, block_rows)) + 1
+
+
+def window_calls(batch_size: int, block_rows: int, workers: int, ranks: int,
+                 per_worker: int, cap: int) -> int:
+    """Calls a rank keeps in flight on the job's pool: :func:`ahead_calls`, or its share of
+    the pool's queue (``per_worker`` calls per worker spread over the ranks) where that is
+    more, at most ``cap`` (its object-store budget)."""
+    share = math.ceil(per_worker * max(1, workers) / max(1, ranks))
+    return max(1, min(cap, max(ahead_calls(batch_size, block_rows), share)))

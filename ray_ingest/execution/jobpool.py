@@ -1,0 +1,229 @@
+"""``decode.compute: actors`` with ``decode.pool_scope: job`` (the default): a rank's read items
+decoded by the job's shared pool of decode actors (:mod:`ray_ingest.execution.service`),
+handed back in the rank's stream order.
+
+The rank keeps what :class:`~ray_ingest.execution.pool.PoolExecution` keeps: a bounded window
+of its planned items in flight, taken back oldest first (ordered stream, exact resume), an item
+whose worker or blocks were lost resubmitted in its place, a stall error after
+``loader.stall_timeout_s`` of waiting. What changes is who decodes: it submits each item to the
+job's controller, tagged with the step its rows are for; the controller hands it to a worker
+once it is the earliest step waiting and a worker has room, and answers with the reference of
+the worker's result, which the rank then takes from the worker's node like any other block.
+The pool's size is the controller's decision, from every rank's data-wait (which each rank
+reports) and the workers' busy time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import ray
+
+from ray_ingest.catalog.catalog import Catalog
+from ray_ingest.config import Config
+from ray_ingest.decode.sizing import block_rows
+from ray_ingest.execution import service
+from ray_ingest.execution.fairshare import ahead_calls, step_key, window_calls
+from ray_ingest.execution.pool import (
+    PER_WORKER,
+    POLL_S,
+    Block,
+    PoolExecution,
+    _window_limit,
+    stall_error,
+)
+from ray_ingest.plan.epoch import ReadItem
+
+#: Numbers this process's executions (their names at the controller).
+_CLIENTS = itertools.count()
+#: Longest wait for the controller to answer a join (seconds; it may be starting).
+JOIN_TIMEOUT_S = 120.0
+#: What a lost worker or lost blocks look like to the rank: the item is submitted again.
+LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError,
+        ray.exceptions.OwnerDiedError)
+
+
+@attrs.define(eq=False)
+class _JobCall:
+    """An item submitted to the controller: ``outer`` answers with ``[ref]`` once a worker has
+    it (None: submit again), ``ref`` is the worker's result."""
+
+    item: ReadItem
+    outer: Any
+    ref: Any = None
+
+
+class JobPoolExecution(PoolExecution):
+    """An :class:`~ray_ingest.execution.handoff.Execution` on the job's shared decode pool (see
+    the module docstring).
+
+    Args:
+        cfg: the run configuration (``decode.compute: actors``).
+        catalog: the datasets' catalog.
+        items: the rank's planned read items, in stream order.
+        metric_tags: the rank's Ray metric tags.
+        rank: the rank (the controller's key for it).
+        pipelines: the job's ranks that decode (``pool_max`` counts per pipeline).
+    """
+
+    def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
+                 metric_tags: dict[str, str] | None = None, rank: int = 0, pipelines: int = 1):
+        super().__init__(cfg, catalog, items, metric_tags, rank)
+        self.pipelines = max(1, pipelines)
+        self.dataset = catalog.fingerprint
+        self._service: Any = None
+        self._report_ref: Any = None
+        self._reported = 0.0
+        self._rows = block_rows(cfg)
+        self._cap = _window_limit(cfg, max(PER_WORKER * cfg.decode.pool_max,
+                                           ahead_calls(cfg.loader.batch_size, self._rows)))
+        self._ranks = 1
+        #: This execution's name at the controller (the rank may open several, one by one).
+        self.client = f"{rank}:{ray.get_runtime_context().get_worker_id()}:{next(_CLIENTS)}"
+        #: Seconds this rank waited on the pool for its next rows (reported to the controller).
+        self.wait_s = 0.0
+        self._waiting: float | None = None
+
+    # --- the controller ------------------------------------------------------------------
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        self._join()
+        self._fill()
+
+    def _join(self) -> None:
+        """Join the job's controller (a new one if the last one is ending)."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        tags = dict(self.metric_tags or {"rank": str(self.rank)})
+        while True:
+            handle = service.connect(self.cfg, self.pipelines, self.dataset)
+            try:
+                view = ray.get(handle.join.remote(self.client, self.rank, tags),
+                               timeout=JOIN_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                view = None  # it ended as we asked: its name is free again shortly
+            if view is not None:
+                self._service = handle
+                self._apply(view)
+                return
+            if time.monotonic() > deadline:
+                raise stall_error(self.cfg, self.rank, JOIN_TIMEOUT_S)
+            time.sleep(POLL_S)
+
+    def _apply(self, view: dict[str, Any]) -> None:
+        """The window follows the pool: two steps ahead, or the rank's share of the workers."""
+        self._ranks = view["ranks"]
+        self.peak_workers = max(self.peak_workers, view["workers"])
+        self.window = window_calls(self.cfg.loader.batch_size, self._rows, view["workers"],
+                                   self._ranks, PER_WORKER, self._cap)
+
+    def _admit(self, wait_s: float = 0.0) -> None:
+        """Report this rank's data-wait and items taken (its step rate) every
+        :data:`~ray_ingest.execution.service.REPORT_S` and apply the answer (never blocks on
+        the controller)."""
+        if self._report_ref is not None:
+            ready, _ = ray.wait([self._report_ref], timeout=0)
+            if ready:
+                ref, self._report_ref = self._report_ref, None
+                try:
+                    view = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    view = None
+                if view is None:  # the controller ended or forgot this rank: join again
+                    self._join()
+                else:
+                    self._apply(view)
+        now = time.monotonic()
+        if self._report_ref is None and now - self._reported >= service.REPORT_S:
+            self._reported = now
+            self._report_ref = self._service.report.remote(self.client, self._waited(),
+                                                           self.done)
+        if wait_s:
+            time.sleep(wait_s)
+
+    # --- submitting and waiting ----------------------------------------------------------
+    def _submit(self, item: ReadItem) -> _JobCall:  # type: ignore[override]
+        shard = self.catalog.shard(item.sid)
+        key = step_key(item, self.cfg.loader.batch_size)
+        return _JobCall(item, self._service.submit.remote(self.client, key, shard, item))
+
+    def _capacity(self) -> int:
+        return self.window
+
+    def _resolved(self, call: _JobCall, timeout: float) -> bool:
+        """Whether the worker's result is ready (resolving the controller's answer first)."""
+        if call.ref is None:
+            ready, _ = ray.wait([call.outer], timeout=timeout)
+            if not ready:
+                return False
+            try:
+                answer = ray.get(call.outer)
+            except ray.exceptions.RayError:
+                answer = None
+            if answer is None:  # the controller ended: join the next one, submit again
+                self._join()
+                call.outer = self._submit(call.item).outer
+                return False
+            call.ref = answer[0]
+            timeout = 0
+        ready, _ = ray.wait([call.ref], timeout=timeout)
+        return bool(ready)
+
+    def _take(self, call: _JobCall) -> Iterator[Block]:  # type: ignore[override]
+        """Wait for the oldest call (submitting and reporting meanwhile), then its blocks; a
+        lost worker or lost blocks: the item again, in its place."""
+        t0 = time.monotonic()
+        while not self._resolved(call, POLL_S):
+            self._fill()
+            self._check_stall(time.monotonic() - t0)
+        try:
+            blocks = ray.get(call.ref)
+        except LOST:
+            self._calls[0] = self._submit(call.item)
+            self.resubmitted += 1
+            return
+        except Exception as exc:
+            raise self._cause(exc) from None
+        self._calls.popleft()
+        self.done += 1
+        self._fill()
+        yield from blocks
+
+    def blocks(self) -> Iterator[Block]:
+        """The rank's blocks in stream order; the time to each is its wait on the pool."""
+        it = super().blocks()
+        while True:
+            self._waiting = time.monotonic()
+            block = next(it, None)
+            self.wait_s += time.monotonic() - self._waiting
+            self._waiting = None
+            if block is None:
+                return
+            yield block
+
+    def _waited(self) -> float:
+        """Seconds waited so far, the wait going on now included."""
+        return self.wait_s + (0.0 if self._waiting is None else time.monotonic() - self._waiting)
+
+    # --- the rest of the protocol --------------------------------------------------------
+    def stats(self) -> str:
+        return (f"job: {self.done} read items decoded on a job pool of up to "
+                f"{self.peak_workers} workers shared by {self._ranks} ranks, "
+                f"{self.resubmitted} resubmitted, window {self.window}")
+
+    def close(self) -> None:
+        """Stop: this rank's items are dropped by the controller (shared workers would decode
+        them for no one) and it leaves; the workers stay with the job."""
+        if self.closed:
+            return
+        self.closed = True
+        self._calls.clear()
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                self._service.leave.remote(self.client)

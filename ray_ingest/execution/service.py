@@ -1,0 +1,574 @@
+"""The job's decode pool (``decode.compute: actors``, ``decode.pool_scope: job``): one pool of
+decode actors that every rank of a job draws from, and the controller that feeds and sizes it.
+
+* :class:`DecodeService`: the job's controller, a named actor (``ray_ingest_decode_<key>``,
+  not detached, 0 CPUs). Ranks join it and submit their read items, each tagged with the step
+  its rows are for; it keeps one queue for the job and hands the items to the workers
+  earliest step first, :data:`~ray_ingest.execution.fairshare.PER_WORKER` per worker, least
+  loaded first, answering each submit with the reference of the worker's result: the blocks go
+  from the worker's node to the rank's through the object store, never through the
+  controller. Every :data:`CONTROL_S` it reads the workers' busy time and nodes, the ranks'
+  data-wait (each reports it every :data:`REPORT_S`) and the cluster's free CPUs, sizes the
+  pool (:class:`~ray_ingest.execution.fairshare.Sizer`), starts workers (one no node has room
+  for stays pending: demand the autoscaler sees), retires workers (no more items, killed once
+  empty), kills the workers of a dead node (their ranks submit those items again at once),
+  exports the job's and each rank's target and busy decode CPUs as Ray metrics, and ends
+  itself, with its workers, :data:`LINGER_S` after its last rank left.
+* :class:`SharedDecodeWorker`: a decode actor (``decode.num_cpus``, ``decode.label_selector``)
+  decoding one item at a time (the second it holds waits in a
+  :class:`~ray_ingest.execution.fairshare.PriorityGate`), counting its busy time per rank.
+
+The job's driver starts the controller before Ray Train starts the ranks (:func:`prestart`);
+otherwise the first rank does. The rank side (its ordered window, resubmits, stall checks) is
+:class:`ray_ingest.execution.jobpool.JobPoolExecution`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import heapq
+import itertools
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import ray
+
+from ray_ingest.catalog.shard import Shard
+from ray_ingest.config import Config
+from ray_ingest.execution.fairshare import (
+    PER_WORKER,
+    PriorityGate,
+    Signals,
+    Sizer,
+    SizerSettings,
+    consumption_demand,
+)
+from ray_ingest.execution.local import ItemDecoder
+from ray_ingest.metrics import job_tags, record_job, record_rank
+from ray_ingest.plan.epoch import ReadItem
+
+#: How often the controller reads its workers and sizes the pool (seconds).
+CONTROL_S = 0.5
+#: How often a rank reports its demand (seconds).
+REPORT_S = 1.0
+#: Seconds a rank that joined may take to submit its first item before later steps of other
+#: ranks go ahead of it (see :meth:`DecodeService._start_floor`).
+START_GRACE_S = 2.0
+#: How often the controller looks for finished calls (seconds): a worker holds
+#: :data:`~ray_ingest.execution.fairshare.PER_WORKER` calls, so it never waits on this.
+WATCH_S = 0.02
+#: A retired worker gets no more items and is killed once it has none (at the latest after
+#: this many seconds).
+RETIRE_MAX_S = 60.0
+#: The controller ends (its workers with it) after this long without a rank (seconds): longer
+#: than the gap between two windows of a loader, short enough not to hold CPUs after a run.
+LINGER_S = 3.0
+#: Seconds the exported busy CPUs are averaged over.
+EXPORT_WINDOW_S = 5.0
+#: Controller samples kept for :meth:`DecodeService.stats` (one per control period).
+HISTORY = 7200
+
+
+def service_name(cfg: Config, dataset: str, job: str | None = None) -> str:
+    """The controller's actor name for this job (default: this process's), config and
+    dataset: ranks of one job with the same settings share one pool (a hash: no setting, and
+    no credential, shows in the name)."""
+    job = job if job is not None else ray.get_runtime_context().get_job_id()
+    doc = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    digest = hashlib.sha1(f"{job}|{dataset}|{doc}".encode()).hexdigest()[:16]
+    return f"ray_ingest_decode_{digest}"
+
+
+class SharedDecodeWorker:
+    """A decode actor of the job's pool (async: its calls queue in a priority gate, decoding
+    runs in one thread)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._decoders: dict[tuple, ItemDecoder] = {}
+        self._gate = PriorityGate(1)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_ingest-decode")
+        self.busy_s = 0.0
+        self.running = 0
+        self.by_rank: dict[int, float] = collections.defaultdict(float)
+        self.node = ray.get_runtime_context().get_node_id()
+
+    async def ready(self) -> str:
+        return self.node
+
+    async def decode(self, key: tuple[int, int], rank: int, tags: dict[str, str] | None,
+                     shard: Shard, item: ReadItem) -> list[dict]:
+        await self._gate.acquire(key)
+        t0 = time.monotonic()
+        self.running += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._pool, self._decode, tags, shard, item)
+        finally:
+            dt = time.monotonic() - t0
+            self.running -= 1
+            self.busy_s += dt
+            self.by_rank[rank] += dt
+            self._gate.release()
+
+    def _decode(self, tags: dict[str, str] | None, shard: Shard, item: ReadItem) -> list[dict]:
+        k = tuple(sorted((tags or {}).items()))
+        if k not in self._decoders:
+            self._decoders[k] = ItemDecoder(self.cfg, tags)
+        return self._decoders[k](shard, item)
+
+    async def stats(self) -> dict[str, Any]:
+        """Busy seconds (cumulative, all and per rank), calls queued and running, its node."""
+        return {"busy_s": self.busy_s, "by_rank": dict(self.by_rank), "node": self.node,
+                "queued": self._gate.queued, "running": self.running}
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """A rank's read item waiting for a worker, then on one."""
+
+    key: tuple[int, int]
+    client: str
+    rank: int
+    shard: Shard
+    item: ReadItem
+    fut: asyncio.Future
+    ref: Any = None
+
+
+@attrs.define(eq=False)
+class _Worker:
+    handle: Any
+    wid: str
+    ready_ref: Any
+    up: bool = False
+    node: str = ""
+    busy_s: float = 0.0
+    by_rank: dict[int, float] = attrs.field(factory=dict)
+    inflight: list[_Entry] = attrs.field(factory=list)
+    retired_at: float | None = None
+    stats: asyncio.Future | None = None
+
+
+@attrs.define
+class _Rank:
+    """A rank's execution drawing from the pool (a client: the same rank may open several
+    executions one after another, each joins and leaves)."""
+
+    rank: int
+    tags: dict[str, str]
+    wait_s: float = 0.0
+    #: When it joined (monotonic) and the step of its first item (None: none yet).
+    joined: float = attrs.field(factory=time.monotonic)
+    first: tuple[int, int] | None = None
+    #: (controller clock, items taken so far) at each change: its consumption rate.
+    taken: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=256))
+
+
+class DecodeService:
+    """The job's decode controller (see the module docstring).
+
+    Args:
+        cfg: the run configuration (decode settings; ``pool_min``/``pool_max``).
+        pipelines: the job's ranks that build a pipeline (``pool_max`` counts per pipeline).
+        dataset: the catalog fingerprint (metric tag).
+    """
+
+    def __init__(self, cfg: Config, pipelines: int, dataset: str):
+        dc = cfg.decode
+        self.cfg, self.num_cpus = cfg, dc.num_cpus
+        self.sizer = Sizer(SizerSettings(lo=dc.pool_min, hi=max(1, dc.pool_max * pipelines),
+                                         hold_s=dc.scale_down_hold_s or CONTROL_S * 4))
+        self.tags = job_tags(ray.get_runtime_context().get_job_id(), dataset)
+        self.workers: dict[str, _Worker] = {}
+        self.ranks: dict[str, _Rank] = {}  # by client
+        #: Items waiting for a worker, earliest step first: (key, arrival, entry).
+        self.queue: list[tuple[tuple[int, int], int, _Entry]] = []
+        self._arrival = itertools.count()
+        self.busy_total = self.wait_left = 0.0  # of workers and ranks gone
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
+        self.started = self.retired = self.lost = self.dispatched = self.completed = 0
+        self._t0, self._t0_wall = time.monotonic(), time.time()
+        self._empty_since: float | None = self._t0
+        self._tasks: list[asyncio.Task] = []
+        self._ending = False
+        self._remote = ray.remote(SharedDecodeWorker).options(**self._worker_options())
+        self._labels: tuple[float, dict[str, dict]] = (0.0, {})
+        self._gone_by_rank: dict[int, float] = collections.defaultdict(float)
+        self._rank_hist: collections.deque[tuple[float, dict[int, float]]] = \
+            collections.deque()
+
+    def _worker_options(self) -> dict[str, Any]:
+        dc = self.cfg.decode
+        opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_restarts": -1,
+                                "max_task_retries": -1}
+        if dc.label_selector:
+            opts["label_selector"] = dict(dc.label_selector)
+        return opts
+
+    # --- the ranks' calls ----------------------------------------------------------------
+    async def join(self, client: str, rank: int, tags: dict[str, str]) -> dict[str, Any] | None:
+        """Register a rank's execution, ``client`` (None: this controller is ending, ask for a
+        new one)."""
+        if self._ending:
+            return None
+        old = self.ranks.get(client)
+        if old is not None:
+            self.wait_left += old.wait_s
+        self.ranks[client] = _Rank(rank, dict(tags))
+        return await self.prestart()  # the first workers start now, not a period later
+
+    async def prestart(self) -> dict[str, Any]:
+        """Start the pool before any rank asks (the job's driver, while Ray Train starts its
+        workers): it stays until its ranks have come and gone."""
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._run()), loop.create_task(self._watch())]
+        self._empty_since = None
+        if self.sizer.target is None:
+            await self._tick()
+        return self._view()
+
+    async def submit(self, client: str, key: tuple[int, int], shard: Shard,
+                     item: ReadItem) -> list[Any] | None:
+        """Queue a rank's item (earliest step first); once a worker has it, ``[its result's
+        ref]`` (None: this controller is ending or does not know the rank: join again). The
+        blocks go from the worker to the rank; this actor never fetches them."""
+        r = self.ranks.get(client)
+        if self._ending or r is None:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        entry = _Entry(tuple(key), client, r.rank, shard, item, fut)
+        if r.first is None:
+            r.first = entry.key
+        heapq.heappush(self.queue, (entry.key, next(self._arrival), entry))
+        self._dispatch()
+        return [await fut]
+
+    async def report(self, client: str, wait_s: float, taken: int = 0) -> dict[str, Any] | None:
+        """A rank's cumulative data-wait and items taken; the pool's size and ranks (None:
+        join again)."""
+        r = self.ranks.get(client)
+        if r is None or self._ending:
+            return None
+        r.wait_s = wait_s
+        if not r.taken or r.taken[-1][1] != taken:
+            r.taken.append((time.monotonic() - self._t0, taken))
+        return self._view()
+
+    async def cancel(self, client: str) -> None:
+        """Drop a rank's items: queued ones never run, running ones are cancelled."""
+        for w in self.workers.values():
+            for e in w.inflight:
+                if e.client == client:
+                    ray.cancel(e.ref, force=False)
+        for _, _, e in self.queue:
+            if e.client == client and not e.fut.done():
+                e.fut.cancel()
+
+    async def leave(self, client: str) -> None:
+        await self.cancel(client)
+        r = self.ranks.pop(client, None)
+        if r is not None:
+            self.wait_left += r.wait_s
+        if not self.ranks:
+            self._empty_since = time.monotonic()
+
+    def _view(self) -> dict[str, Any]:
+        up = sum(1 for w in self.workers.values() if w.up and w.retired_at is None)
+        return {"workers": up, "ranks": max(1, len(self.ranks))}
+
+    async def worker_handles(self) -> list[Any]:
+        """The workers up (for tests and benchmarks that kill one)."""
+        return [w.handle for w in self.workers.values() if w.up]
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters, the busy seconds per rank and the sampled history (``t``: seconds since
+        ``t0_wall``; target, held, pending, busy, wait, queued, free)."""
+        return {"target": self.sizer.target, "reason": self.sizer.reason,
+                "started": self.started, "retired": self.retired, "lost": self.lost,
+                "dispatched": self.dispatched, "ranks": len(self.ranks),
+                "num_cpus": self.num_cpus, "rank_busy_s": self.rank_busy(),
+                "t0_wall": self._t0_wall, "history": list(self.history)}
+
+    # --- dispatching ---------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Earliest step first onto the least loaded workers, :data:`PER_WORKER` calls each
+        (one running, one queued behind it: no idle gap between two items)."""
+        live = [w for w in self.workers.values() if w.up and w.retired_at is None]
+        floor = self._start_floor()
+        while self.queue and live:
+            w = min(live, key=lambda w: len(w.inflight))
+            if len(w.inflight) >= PER_WORKER:
+                return
+            if self.queue[0][2].fut.done():  # cancelled by its rank
+                heapq.heappop(self.queue)
+                continue
+            if floor is not None and self.queue[0][0] > floor:
+                return  # a rank that just joined has not submitted its first step yet
+            _, _, e = heapq.heappop(self.queue)
+            r = self.ranks.get(e.client)
+            e.ref = w.handle.decode.remote(e.key, e.rank, r.tags if r else None, e.shard, e.item)
+            w.inflight.append(e)
+            e.fut.set_result(e.ref)
+            self.dispatched += 1
+
+    def _start_floor(self) -> tuple[int, int] | None:
+        """While a rank that joined less than :data:`START_GRACE_S` ago has submitted nothing,
+        the earliest first step any rank submitted: later steps wait for it. (Ranks start
+        their windows a little apart; without this, the first ones' look-ahead would take
+        the workers while the last ones' first step is still to come.)"""
+        now = time.monotonic()
+        if not any(r.first is None and now - r.joined < START_GRACE_S
+                   for r in self.ranks.values()):
+            return None
+        firsts = [r.first for r in self.ranks.values() if r.first is not None]
+        return min(firsts) if firsts else None
+
+    async def _watch(self) -> None:
+        """Finished calls free their worker's place (polled without fetching the blocks)."""
+        while not self._ending:
+            owner = {e.ref: w for w in self.workers.values() for e in w.inflight}
+            if owner:
+                done, _ = ray.wait(list(owner), num_returns=len(owner), timeout=0,
+                                   fetch_local=False)
+                self.completed += len(done)
+                for ref in done:
+                    w = owner[ref]
+                    w.inflight = [e for e in w.inflight if e.ref is not ref]
+                if done:
+                    self._dispatch()
+            await asyncio.sleep(WATCH_S)
+
+    # --- the control loop ----------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(CONTROL_S)
+            await self._tick()
+            if (self._empty_since is not None
+                    and time.monotonic() - self._empty_since >= LINGER_S):
+                self._ending = True  # joins and submits now answer None: a new controller
+                for _, _, e in self.queue:
+                    if not e.fut.done():
+                        e.fut.cancel()
+                for w in list(self.workers.values()):
+                    ray.kill(w.handle, no_restart=True)
+                self.workers.clear()
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+    async def _tick(self) -> None:
+        now = time.monotonic()
+        await self._poll_workers()
+        self._drop_lost_nodes()
+        held = sum(1 for w in self.workers.values() if w.up and w.retired_at is None)
+        pending = sum(1 for w in self.workers.values() if not w.up and w.retired_at is None)
+        busy = self._busy()
+        sig = Signals(t=now - self._t0, held=held, pending=pending, busy_s=busy,
+                      wait_s=self.wait_left + sum(r.wait_s for r in self.ranks.values()),
+                      ranks=len(self.ranks), queued=self._queued(), free=self._free_workers(),
+                      demand=consumption_demand(
+                          [r.taken for r in self.ranks.values()], now - self._t0,
+                          self.sizer.s.hold_s, busy / self.completed if self.completed else None))
+        target = self.sizer.update(sig)
+        self._resize(target, held, pending)
+        self._kill_drained(now)
+        self.history.append({"t": round(sig.t, 2), "target": target, "held": held,
+                             "pending": pending, "busy_s": round(sig.busy_s, 3),
+                             "wait_s": round(sig.wait_s, 3), "queued": sig.queued,
+                             "free": sig.free, "ranks": sig.ranks,
+                             "demand": None if sig.demand is None else round(sig.demand, 2)})
+        self._export(now)
+
+    def _queued(self) -> int:
+        return sum(1 for _, _, e in self.queue if not e.fut.done())
+
+    def _busy(self) -> float:
+        return self.busy_total + sum(w.busy_s for w in self.workers.values())
+
+    async def _poll_workers(self) -> None:
+        """Workers that came up take items; the others' busy time and nodes. (Awaited, never a
+        blocking ``ray.wait``: that would hold up the ranks' calls.)"""
+        for w in [w for w in self.workers.values() if not w.up]:
+            ready, _ = ray.wait([w.ready_ref], timeout=0)
+            if not ready:
+                continue
+            try:
+                w.node = await w.ready_ref
+                w.up = True
+            except ray.exceptions.RayError:  # could not start: replaced by _resize
+                self._forget(w)
+        self._dispatch()
+        for w in [w for w in self.workers.values() if w.up]:
+            # one stats call in flight per worker, never dropped: on a busy machine an answer
+            # may take longer than a control period, and a dropped one would read as idle
+            if w.stats is not None and not w.stats.done():
+                continue
+            st = w.stats.result() if w.stats is not None else None
+            w.stats = asyncio.ensure_future(_awaited(w.handle.stats.remote()))
+            if st == DEAD:  # killed, or out of restarts: its ranks resubmit what it held
+                self.lost += 1
+                self._forget(w)
+                continue
+            if st is None:  # restarting, or its node is gone: the node's state decides
+                continue
+            if st["busy_s"] < w.busy_s:  # restarted in place: its counters began again
+                self._forget_counters(w)
+            w.busy_s, w.by_rank, w.node = st["busy_s"], st["by_rank"], st["node"]
+
+    def _forget_counters(self, w: _Worker) -> None:
+        """Keep what a worker did in the job's totals (it ends, or its counters restart)."""
+        self.busy_total += w.busy_s
+        for rank, s in w.by_rank.items():
+            self._gone_by_rank[int(rank)] += s
+        w.busy_s, w.by_rank = 0.0, {}
+
+    def _forget(self, w: _Worker) -> None:
+        """Out of the pool (its calls in flight fail at their ranks, which resubmit them)."""
+        self._forget_counters(w)
+        if w.stats is not None:
+            w.stats.cancel()
+        self.workers.pop(w.wid, None)
+
+    def _drop_lost_nodes(self) -> None:
+        """Workers on a dead node are killed (no restart): their ranks resubmit the calls they
+        held, which go to the workers that are left, and the pool starts replacements (pending
+        until a node has room: demand the autoscaler sees)."""
+        up = [w for w in self.workers.values() if w.up and w.node]
+        if not up:
+            return
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for w in up:
+            if w.node not in alive:
+                ray.kill(w.handle, no_restart=True)
+                self.lost += 1
+                self._forget(w)
+
+    def _free_workers(self) -> int:
+        """Workers the nodes decode may use have room for now (0 when it cannot be told)."""
+        from ray._private import state
+
+        dc = self.cfg.decode
+        now = time.monotonic()
+        if now - self._labels[0] > 5.0:
+            self._labels = (now, {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes()
+                                  if n.get("Alive")})
+        try:
+            avail = state.available_resources_per_node()
+        except Exception:  # an internal API: without it, grow one pending worker at a time
+            return 0
+        free = 0
+        for node, res in avail.items():
+            labels = self._labels[1].get(node)
+            if labels is None or any(labels.get(k) != v for k, v in dc.label_selector.items()):
+                continue
+            cpus = res.get("CPU", 0.0)
+            free += int(cpus // dc.num_cpus) if dc.num_cpus > 0 else 64
+        return free
+
+    def _resize(self, target: int, held: int, pending: int) -> None:
+        """Start workers up to ``target``, or retire the surplus: pending ones first (they hold
+        nothing), then the least loaded."""
+        for _ in range(target - held - pending):
+            handle = self._remote.remote(self.cfg)
+            wid = handle._actor_id.hex()
+            self.workers[wid] = _Worker(handle, wid, handle.ready.remote())
+            self.started += 1
+        surplus = held + pending - target
+        if surplus <= 0:
+            return
+        live = [w for w in self.workers.values() if w.retired_at is None]
+        for w in sorted(live, key=lambda w: (w.up, len(w.inflight)))[:surplus]:
+            if not w.up:
+                ray.kill(w.handle, no_restart=True)
+                self._forget(w)
+            else:
+                w.retired_at = time.monotonic()  # gets no more items; ends once empty
+            self.retired += 1
+
+    def _kill_drained(self, now: float) -> None:
+        for w in [w for w in self.workers.values() if w.retired_at is not None]:
+            if not w.inflight or now - w.retired_at >= RETIRE_MAX_S:
+                ray.kill(w.handle, no_restart=True)
+                self._forget(w)
+
+    def _export(self, now: float) -> None:
+        """Target, held and busy decode CPUs of the job and of each rank (Ray metrics): busy
+        averaged over :data:`EXPORT_WINDOW_S`; a rank's target is an equal share of the job's
+        (earliest step first serves the ranks equally when decode is short)."""
+        cpus, n = self.num_cpus, self.history[-1]
+        by_rank = self.rank_busy()
+        self._rank_hist.append((now, by_rank))
+        while len(self._rank_hist) > 2 and now - self._rank_hist[1][0] >= EXPORT_WINDOW_S:
+            self._rank_hist.popleft()
+        t0, old = self._rank_hist[0]
+        dt = max(now - t0, 1e-9)
+        busy = {r: (s - old.get(r, 0.0)) / dt for r, s in by_rank.items()}
+        record_job("target", n["target"] * cpus, self.tags)
+        record_job("held", n["held"] * cpus, self.tags)
+        record_job("pending", n["pending"] * cpus, self.tags)
+        record_job("busy", sum(busy.values()) * cpus, self.tags)
+        share = n["target"] * cpus / max(1, len(self.ranks))
+        for r in self.ranks.values():
+            record_rank("target", share, r.tags)
+            record_rank("busy", busy.get(r.rank, 0.0) * cpus, r.tags)
+
+    def rank_busy(self) -> dict[int, float]:
+        """Seconds the job's workers spent on each rank's items (cumulative)."""
+        out = collections.defaultdict(float, self._gone_by_rank)
+        for w in self.workers.values():
+            for rank, s in w.by_rank.items():
+                out[int(rank)] += s
+        return dict(out)
+
+
+#: What :func:`_awaited` answers for an actor that is dead for good.
+DEAD = "dead"
+
+
+async def _awaited(ref: Any) -> Any:
+    """The value, :data:`DEAD` when its actor died for good, None on any other failure (an
+    actor restarting, or unreachable for now)."""
+    try:
+        return await ref
+    except ray.exceptions.ActorDiedError:
+        return DEAD
+    except ray.exceptions.RayError:
+        return None
+
+
+def prestart(cfg: Config, pipelines: int, dataset: str) -> Any:
+    """Start the job's decode pool now, from the job's driver (its workers start while Ray
+    Train starts the ranks); returns the controller. It lives as long as the driver, or until
+    its ranks have come and gone."""
+    handle = connect(cfg, pipelines, dataset)
+    ray.get(handle.prestart.remote())
+    return handle
+
+
+#: The controllers this process connected to, by name, with the handle that created each:
+#: Ray ends an actor (named or not) once its creator holds no handle to it, and the controller
+#: must outlive the execution that created it (it ends itself, :data:`LINGER_S` after its
+#: last rank left).
+_HANDLES: dict[str, Any] = {}
+
+
+def connect(cfg: Config, pipelines: int, dataset: str) -> Any:
+    """The job's controller: the running one of this name, or a new one on this node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    name = service_name(cfg, dataset)
+    handle = ray.remote(DecodeService).options(
+        name=name, get_if_exists=True, num_cpus=0, max_restarts=0,
+        lifetime=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+    ).remote(cfg, pipelines, dataset)
+    old = _HANDLES.get(name)
+    if old is None or old._actor_id != handle._actor_id:  # keep the creating handle
+        _HANDLES[name] = handle
+    return _HANDLES[name]

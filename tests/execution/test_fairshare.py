@@ -1,0 +1,270 @@
+"""The job pool's pure rules (ray_ingest/execution/fairshare.py), without Ray: a worker's queue
+runs earliest step first; the pool starts with the cluster's free room, grows while ranks wait
+on busy workers, shrinks to the busy workers plus headroom once ranks stop waiting for
+``hold_s`` (not only when idle), and keeps its bounds; a rank's window covers two steps."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from ray_ingest.execution.fairshare import (
+    PriorityGate,
+    Signals,
+    Sizer,
+    SizerSettings,
+    ahead_calls,
+    consumption_demand,
+    step_key,
+    window_calls,
+)
+from ray_ingest.plan.epoch import ReadItem
+
+
+def test_step_key_is_the_same_step_on_every_rank():
+    assert step_key(ReadItem(seq=0, sid=3, start=0, count=16), 16) == (0, 0)
+    assert step_key(ReadItem(seq=47, sid=9, start=5, count=1, epoch=2), 16) == (2, 2)
+    # the same stream position is the same step whatever the shard (ranks read other shards)
+    a = step_key(ReadItem(seq=33, sid=1, start=0, count=8), 16)
+    assert a == step_key(ReadItem(seq=33, sid=7, start=40, count=8), 16) == (0, 2)
+    assert step_key(ReadItem(seq=0, sid=0, start=0, count=1, epoch=1), 16) > (0, 10**9)
+
+
+def _run_gate(keys, slots=1, cancel=()):
+    """Holders of a gate of ``slots``: the first ``slots`` arrive while it is free, the rest
+    queue; returns the order they were let in (cancelled waiters never are)."""
+    order = []
+
+    async def main():
+        gate = PriorityGate(slots)
+        release = asyncio.Event()
+
+        async def holder(key):
+            await gate.acquire(key)
+            order.append(key)
+            await release.wait()
+            gate.release()
+
+        tasks = []
+        for k in keys:
+            tasks.append(asyncio.ensure_future(holder(k)))
+            await asyncio.sleep(0)  # arrive in this order
+        assert gate.queued == len(keys) - slots
+        for i in cancel:
+            tasks[i].cancel()
+        await asyncio.sleep(0)
+        assert gate.queued == len(keys) - slots - len(cancel)
+        release.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert gate.free == slots and gate.queued == 0
+
+    asyncio.run(main())
+    return order
+
+
+def test_gate_lets_the_earliest_step_in_first_ties_in_arrival_order():
+    keys = [(0, 9), (0, 5), (1, 0), (0, 1), (0, 5), (0, 3)]
+    assert _run_gate(keys) == [(0, 9), (0, 1), (0, 3), (0, 5), (0, 5), (1, 0)]
+    assert _run_gate(keys, slots=2) == [(0, 9), (0, 5), (0, 1), (0, 3), (0, 5), (1, 0)]
+    # a cancelled waiter is skipped and the gate ends free
+    assert _run_gate(keys, cancel=(3,)) == [(0, 9), (0, 3), (0, 5), (0, 5), (1, 0)]
+
+
+def test_ties_keep_arrival_order_not_key_payload():
+    keys = [("x", 0)] + [("a", i) for i in (3, 1, 2)]
+    assert _run_gate(keys) == [("x", 0), ("a", 1), ("a", 2), ("a", 3)]
+    same = [(0, 0)] * 4
+    assert _run_gate(same) == same
+
+
+# --- sizing ------------------------------------------------------------------------------------
+
+class Sim:
+    """Feeds a :class:`Sizer` signals every ``dt`` seconds from rates: the ranks' wait share,
+    the busy workers and the queued calls, with the pool following its target at once."""
+
+    def __init__(self, settings: SizerSettings, free: int, dt: float = 0.5):
+        self.sizer, self.free, self.dt = Sizer(settings), free, dt
+        self.t = self.busy = self.wait = 0.0
+        self.held, self.pending, self.ranks = 0, 0, 4
+        self.targets: list[int] = []
+
+    def step(self, wait_share: float, busy_workers: float, queued: int = 0,
+             pending: int | None = None, seconds: float | None = None) -> int:
+        for _ in range(max(1, round((seconds or self.dt) / self.dt))):
+            self.t += self.dt
+            self.wait += wait_share * self.ranks * self.dt
+            self.busy += min(busy_workers, self.held) * self.dt
+            sig = Signals(t=self.t, held=self.held, pending=self.pending if pending is None
+                          else pending, busy_s=self.busy, wait_s=self.wait, ranks=self.ranks,
+                          queued=queued, free=self.free)
+            target = self.sizer.update(sig)
+            room = max(0, target - self.held)
+            up = min(room, self.free)
+            self.free -= up
+            self.free += max(0, self.held - target)
+            self.held = min(target, self.held + up)
+            self.pending = target - self.held
+            self.targets.append(target)
+        return self.sizer.target
+
+
+def test_the_pool_starts_with_the_free_room_within_its_bounds():
+    for free, lo, hi, want in [(8, 1, 64, 8), (100, 1, 64, 64), (0, 1, 64, 1), (0, 3, 8, 3),
+                               (2, 3, 8, 3)]:
+        s = Sizer(SizerSettings(lo=lo, hi=hi))
+        assert s.update(Signals(0.0, 0, 0, 0.0, 0.0, 4, 0, free)) == want, (free, lo, hi)
+
+
+def test_grows_while_ranks_wait_on_busy_workers_and_not_while_workers_start():
+    sim = Sim(SizerSettings(lo=1, hi=64), free=2)
+    sim.step(0.0, 0.0)  # start: the 2 free
+    assert sim.held == 2
+    sim.free = 10  # a node joins
+    sim.step(0.5, 2.0, queued=8, seconds=5.5)
+    assert sim.held > 2 and "grow" in sim.sizer.reason
+    grown = sim.held
+    # waiting, but the new workers are not up yet: no more growth meanwhile
+    sim.step(0.5, grown, queued=8, pending=1, seconds=3.0)
+    assert sim.sizer.target == grown
+    # waiting on idle workers (decode is not the bottleneck: reads, a small window): no growth
+    idle = Sim(SizerSettings(lo=1, hi=64), free=4)
+    idle.step(0.0, 0.0)
+    idle.free = 10
+    idle.step(0.5, 0.2 * 4, queued=0, seconds=10.0)
+    assert idle.sizer.target == 4 and idle.sizer.reason == "start"
+
+
+def test_without_free_room_it_grows_by_one_pending_worker_for_the_autoscaler():
+    sim = Sim(SizerSettings(lo=1, hi=64), free=3)
+    sim.step(0.0, 0.0)
+    assert sim.held == 3 and sim.free == 0
+    sim.step(0.6, 3.0, queued=20, seconds=5.5)
+    assert sim.sizer.target == 4 and sim.pending == 1  # one pending worker: demand
+    sim.step(0.6, 3.0, queued=20, seconds=5.0)
+    assert sim.sizer.target == 4  # still pending: no more
+
+
+def test_growth_stops_at_pool_max_times_the_pipelines():
+    sim = Sim(SizerSettings(lo=1, hi=6), free=2)
+    sim.step(0.0, 0.0)
+    sim.free = 100
+    for _ in range(20):
+        sim.step(0.9, 100.0, queued=50, seconds=2.5)
+    assert sim.held == 6 and max(sim.targets) == 6
+
+
+def test_shrinks_when_trainer_bound_to_busy_plus_headroom_after_hold():
+    sim = Sim(SizerSettings(lo=1, hi=64, hold_s=10.0, headroom=1.2), free=16)
+    sim.step(0.0, 0.0)
+    assert sim.held == 16
+    # trainer-bound: no data-wait, 5 of 16 workers busy (batches queued): not idle
+    sim.step(0.0, 5.0, seconds=9.0)
+    assert sim.sizer.target == 16  # within hold_s
+    sim.step(0.0, 5.0, seconds=2.0)
+    assert sim.sizer.target == 6 and "shrink" in sim.sizer.reason  # ceil(5 * 1.2)
+    sim.step(0.0, 5.0, seconds=30.0)
+    assert sim.sizer.target == 6  # stable: 6 >= ceil(5 * 1.2)
+    # fully idle (a long pause): down to pool_min (at most two holds: a shrink on the way
+    # down, while the window still held busy seconds, restarts the hold)
+    sim.step(0.0, 0.0, seconds=21.0)
+    assert sim.sizer.target == 1
+
+
+def test_no_shrink_while_ranks_wait_and_a_short_pause_keeps_the_pool():
+    sim = Sim(SizerSettings(lo=1, hi=64, hold_s=10.0), free=8)
+    sim.step(0.0, 0.0)
+    sim.step(0.3, 2.0, seconds=30.0)  # ranks wait, workers only partly busy: keep
+    assert sim.sizer.target == 8
+    sim2 = Sim(SizerSettings(lo=1, hi=64, hold_s=10.0), free=8)
+    sim2.step(0.0, 0.0)
+    sim2.step(0.3, 8.0, queued=4, seconds=5.0)
+    sim2.step(0.0, 0.0, seconds=8.0)  # a pause shorter than hold_s
+    sim2.step(0.3, 8.0, queued=4, seconds=5.0)
+    assert min(sim2.targets) == 8
+
+
+@pytest.mark.parametrize("busy,free,headroom", itertools.product((0.0, 1.0, 3.3, 7.9, 12.0),
+                                                                  (4, 16, 40), (1.0, 1.2, 1.5)))
+def test_held_converges_within_headroom_of_busy_and_bounds_hold(busy, free, headroom):
+    settings = SizerSettings(lo=1, hi=32, hold_s=5.0, headroom=headroom)
+    sim = Sim(settings, free=free)
+    sim.step(0.0, 0.0)
+    sim.step(0.0, busy, seconds=60.0)
+    used = min(busy, float(min(free, 32)))
+    assert settings.lo <= sim.held <= settings.hi
+    assert all(settings.lo <= t <= settings.hi for t in sim.targets)
+    # at most busy x headroom (rounded up) once trainer-bound, never below what is busy
+    assert sim.held <= max(settings.lo, -(-used * headroom // 1) + 1e-9)
+    assert sim.held >= used - 1e-9
+
+
+def test_a_rank_keeps_two_steps_in_flight_or_its_share_of_the_queue():
+    assert ahead_calls(16, 16) == 3 and ahead_calls(16, 4) == 9 and ahead_calls(4, 16) == 3
+    assert window_calls(16, 16, workers=8, ranks=64, per_worker=2, cap=100) == 3
+    assert window_calls(16, 16, workers=8, ranks=1, per_worker=2, cap=100) == 16
+    assert window_calls(16, 16, workers=8, ranks=1, per_worker=2, cap=5) == 5
+    assert window_calls(16, 16, workers=0, ranks=1, per_worker=2, cap=1) == 1
+
+
+def _first_growth(sim: Sim, busy: float, queued: int) -> int:
+    before = sim.sizer.target
+    for _ in range(20):
+        sim.step(0.5, busy, queued=queued)
+        if sim.sizer.target != before:
+            return sim.sizer.target - before
+    return 0
+
+
+def test_growth_follows_the_items_waiting_for_a_worker():
+    sim = Sim(SizerSettings(lo=1, hi=64), free=1)
+    sim.step(0.0, 0.0)
+    sim.free = 20
+    assert _first_growth(sim, 1.0, queued=6) == 3  # 6 items waiting: 3 workers keep them busy
+    assert _first_growth(sim, 4.0, queued=100) == 17  # more waiting than room: all the room
+    assert _first_growth(sim, 21.0, queued=100) == 1  # no room: one pending worker
+    assert sim.pending == 1
+
+
+def test_a_pool_started_before_its_ranks_keeps_its_size_until_they_came():
+    sim = Sim(SizerSettings(lo=1, hi=64, hold_s=10.0), free=8)
+    sim.ranks = 0
+    sim.step(0.0, 0.0)
+    sim.step(0.0, 0.0, seconds=60.0)  # the job's driver started it; Ray Train starts ranks
+    assert sim.sizer.target == 8
+    sim.ranks = 4
+    sim.step(0.0, 2.0, seconds=9.0)  # trainer-bound from the start: the hold counts from here
+    assert sim.sizer.target == 8
+    sim.step(0.0, 2.0, seconds=2.0)
+    assert sim.sizer.target == 3  # ceil(2 * 1.2)
+
+
+def test_consumption_demand_counts_a_barrier_s_bursts_whole():
+    # two ranks taking one item per 13 s step at the barrier (reports every second), 0.8 s of
+    # a worker per item: 2 / 13 items/s x 0.8 = 0.123 workers, whatever the window's phase
+    ranks = [[(10.0 + 13.0 * k + r * 0.3, k + 1) for k in range(6)] for r in range(2)]
+    for now in (40.0, 46.0, 52.0, 75.0):
+        d = consumption_demand(ranks, now, 30.0, 0.8)
+        assert d == pytest.approx(2 / 13 * 0.8, rel=0.05), now
+    assert consumption_demand(ranks, 200.0, 30.0, 0.8) is None  # nothing taken lately
+    assert consumption_demand(ranks, 40.0, 30.0, None) is None  # cost unknown
+    assert consumption_demand([[(1.0, 5)]], 2.0, 30.0, 0.8) is None  # one change only
+
+
+def test_shrink_follows_consumption_not_the_look_ahead_a_start_fills():
+    """At their start the ranks' windows fill: every worker is busy for a while although the
+    steady demand is far lower. With the consumption known the pool shrinks to it at once."""
+    settings = SizerSettings(lo=1, hi=64, hold_s=10.0, headroom=1.2)
+    sim = Sim(settings, free=8)
+    sim.step(0.0, 0.0)
+    sim.step(0.0, 8.0, seconds=11.0)  # the look-ahead: all 8 busy, nobody waits
+    assert sim.sizer.target == 8  # busy alone says: keep
+    sizer = Sizer(settings)
+    sizer.update(Signals(0.0, 8, 0, 0.0, 0.0, 4, 0, 0))
+    t = 0.0
+    for _ in range(24):
+        t += 0.5
+        sizer.update(Signals(t, 8, 0, 8 * t, 0.0, 4, 0, 0, demand=3.9))
+    assert sizer.target == 5 and "consumption keeps 3.90 busy" in sizer.reason

@@ -1,0 +1,326 @@
+"""The job's shared decode pool (ray_ingest/execution/service.py, jobpool.py) on the session Ray:
+two ranks draw from one pool and each gets exactly its in-process rows in stream order; a
+worker runs its queue earliest step first and drops a cancelled call; a trainer-bound rank's
+pool shrinks to what it keeps busy (long before it is idle), and the job's and the rank's
+decode CPUs reach the metrics endpoint; a worker killed mid-stream costs nothing but a
+resubmit; the controller ends once no rank uses it."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+
+from ray_ingest.catalog.load import load_catalog
+from ray_ingest.columns import ACTOR, INDEX, KEY, SEQ, SID
+from ray_ingest.config import config_from_dict
+from ray_ingest.execution.local import LocalExecution
+from ray_ingest.plan.epoch import read_items
+from ray_ingest.plan.state import initial_state, slot_stream
+from ray_ingest.plan.topology import Topology
+from ray_ingest.tools.synth import synth_dataset
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("jobpool") / "ds")
+    synth_dataset(out, samples=80, shard_size=10, seed=5, min_side=16, max_side=40)
+    return out
+
+
+def _cfg(path, **decode):
+    return config_from_dict({
+        "data": {"paths": [path]},
+        "decode": {"resolution": 16, "compute": "actors", "pool_min": 1, "pool_max": 2,
+                   "num_cpus": 0.25, **decode},
+        "loader": {"batch_size": 4, "block_rows": 5, "read_workers": 1, "seed": 11,
+                   "head_start_batches": 0},
+    })
+
+
+def _items(cfg, catalog, world=1, rank=0):
+    topo = Topology(world_size=world, rank=rank, read_workers=1)
+    state = initial_state(catalog.fingerprint, cfg.loader.plan_params(), 0, topo)
+    return read_items(slot_stream(state, catalog.counts, catalog.chunk_size, topo.slot), (), 5)
+
+
+def _rows(blocks) -> list[tuple]:
+    return [(int(b[SID][i]), int(b[INDEX][i]), int(b[SEQ][i]), str(b[KEY][i]),
+             hashlib.sha1(b["image"][i].tobytes()).hexdigest())
+            for b in blocks for i in range(len(b[SEQ]))]
+
+
+def _service(cfg, catalog):
+    import ray
+
+    from ray_ingest.execution.service import service_name
+
+    return ray.get_actor(service_name(cfg, catalog.fingerprint))
+
+
+def _gone(cfg, catalog, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _service(cfg, catalog)
+        except ValueError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_two_ranks_share_one_pool_and_get_their_rows_in_order(ray_local, dataset):
+    from ray_ingest.execution.jobpool import JobPoolExecution
+
+    cfg = _cfg(dataset, sim_cost_s=0.005)
+    catalog = load_catalog([dataset])
+    got: dict[int, list] = {}
+    execs = {r: JobPoolExecution(cfg, catalog, _items(cfg, catalog, 2, r), {"rank": str(r)},
+                                 rank=r, pipelines=2) for r in (0, 1)}
+
+    def consume(rank: int) -> None:
+        got[rank] = list(execs[rank].blocks())
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stats = __import__("ray").get(_service(cfg, catalog).stats.remote())
+    for ex in execs.values():
+        ex.close()
+    for r in (0, 1):
+        want = _rows(LocalExecution(cfg, catalog, _items(cfg, catalog, 2, r)).blocks())
+        assert _rows(got[r]) == want and len(want) == 40
+        assert [row[2] for row in _rows(got[r])] == sorted(row[2] for row in want)
+        assert execs[r].stats().startswith(f"job: {execs[r].done} read items decoded on a job "
+                                           "pool of up to")
+    actors = [{a for b in got[r] for a in b[ACTOR]} for r in (0, 1)]
+    assert actors[0] & actors[1], actors  # the same workers decoded for both ranks
+    assert len(actors[0] | actors[1]) <= 4  # pool_max 2 x 2 pipelines
+    assert stats["started"] <= 4 and stats["history"][-1]["ranks"] in (1, 2)
+    assert max(h["ranks"] for h in stats["history"]) == 2
+    assert _gone(cfg, catalog), "the controller did not end after its ranks left"
+
+
+def _finish_order(refs: dict) -> list:
+    import ray
+
+    order, pending = [], dict(refs)
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=60)
+        assert done, "a decode call did not finish"
+        order.append(pending.pop(done[0]))
+    return order
+
+
+def test_a_worker_runs_its_queue_earliest_step_first(ray_local, dataset):
+    import ray
+
+    from ray_ingest.execution.service import SharedDecodeWorker
+
+    cfg = _cfg(dataset, sim_cost_s=0.04)  # 5 rows: 0.2 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    worker = ray.remote(SharedDecodeWorker).options(num_cpus=0.25).remote(cfg)
+    ray.get(worker.ready.remote())
+
+    def call(key, i):
+        return worker.decode.remote(key, 0, None, catalog.shard(items[i].sid), items[i])
+
+    first = call((0, 9), 0)  # runs at once; the others queue behind it
+    time.sleep(0.05)
+    refs = {call((0, 5), 1): (0, 5), call((1, 0), 2): (1, 0), call((0, 1), 3): (0, 1),
+            call((0, 3), 4): (0, 3)}
+    dropped = next(r for r, k in refs.items() if k == (0, 3))
+    ray.cancel(dropped)
+    refs.pop(dropped)
+    refs[first] = (0, 9)
+    assert _finish_order(refs) == [(0, 9), (0, 1), (0, 5), (1, 0)]
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        ray.get(dropped)
+    st = ray.get(worker.stats.remote())
+    assert (st["queued"], st["running"]) == (0, 0) and st["busy_s"] >= 4 * 0.2 * 0.9
+    assert set(st["by_rank"]) == {0}
+    ray.kill(worker)
+
+
+def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_local, dataset):
+    import ray
+
+    from ray_ingest.loader.ingest import IngestLoader
+    from tests.loader.test_metrics import SCRAPE_TIMEOUT_S, scrape, total
+
+    cfg = _cfg(dataset, pool_min=1, pool_max=4, sim_cost_s=0.002, scale_down_hold_s=1.5)
+    catalog = load_catalog([dataset])
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1), catalog=catalog)
+    assert loader.compute == "actors" and "job's shared, elastic pool" in loader.describe_decode()
+    seen, stats, first_wait = [], None, None
+    for _, batches in loader.epochs(1):
+        for b in batches:
+            if first_wait is None:
+                first_wait = loader.clock.wait  # the pool's start-up
+            seen += list(zip(b.sids, b.indices, strict=True))
+            time.sleep(0.25)  # the train step: this rank is trainer-bound
+            if len(seen) == 80:  # the last batch, ~5 s: past hold_s, still consuming
+                stats = ray.get(_service(cfg, catalog).stats.remote())
+    assert len(seen) == len(set(seen)) == 80
+    hist = stats["history"]
+    assert hist[0]["target"] == 4  # started with what the cluster had room for, within 4
+    assert stats["target"] == 1 and stats["reason"].startswith("shrink"), (stats["reason"], hist)
+    assert hist[-1]["ranks"] == 1 and stats["retired"] >= 3
+    # after its first batch the rank hardly waited (19 steps of 0.25 s set the pace), before
+    # and after the shrink
+    assert loader.clock.wait - first_wait < 0.1 * 19 * 0.25, (loader.clock.wait, first_wait)
+    port = ray_local._private.worker.global_worker.node.metrics_export_port
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    want = {("ray_ingest_job_decode_cpus", "target"): 0.25,
+            ("ray_ingest_decode_cpus", "target"): 0.25}
+    got: dict = {}
+    while got != want and time.monotonic() < deadline:
+        series = scrape(port)
+        for name, kind in want:
+            v = total(series, name, kind=kind, dataset=catalog.fingerprint)
+            if v is not None:
+                got[(name, kind)] = v
+        time.sleep(1.0)
+    assert got == want, (got, want)
+    assert total(series, "ray_ingest_decode_cpus", kind="busy", rank="0",
+                 dataset=catalog.fingerprint) is not None
+
+
+def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
+    import ray
+
+    from ray_ingest.execution.jobpool import JobPoolExecution
+
+    cfg = _cfg(dataset, pool_min=2, pool_max=2, sim_cost_s=0.05)  # 0.25 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    ex = JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)
+    try:
+        it = ex.blocks()
+        got = [next(it)]
+        svc = _service(cfg, catalog)
+        handles = ray.get(svc.worker_handles.remote())
+        while len(handles) < 2:  # both workers up
+            got.append(next(it))
+            handles = ray.get(svc.worker_handles.remote())
+        ray.kill(handles[0], no_restart=True)  # it holds calls: the pool keeps both busy
+        got += list(it)
+        stats = ray.get(svc.stats.remote())
+    finally:
+        ex.close()
+    assert _rows(got) == _rows(LocalExecution(cfg, catalog, items).blocks())
+    assert ex.resubmitted >= 1 and f"{ex.resubmitted} resubmitted" in ex.stats()
+    assert stats["lost"] == 1 and stats["started"] == 3  # replaced
+    assert _gone(cfg, catalog)
+
+
+def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
+    """jobs/train.py's driver starts the pool before Ray Train starts the ranks: a rank's
+    config (the job's train_loop_config, storage options sealed and revealed, decode.compute
+    resolved) names the same controller, and its items go to the pre-started workers."""
+    import ray
+
+    from ray_ingest.execution.opener import prestart_job_pool, with_compute
+    from ray_ingest.execution.service import service_name
+    from ray_ingest.loader.ingest import IngestLoader
+    from ray_ingest.train.job import job_config
+    from ray_ingest.train.worker import worker_config
+
+    cfg = config_from_dict({**_cfg(dataset, sim_cost_s=0.001).to_dict(),
+                            "data": {"paths": [dataset], "storage_options": {"token": "s3cr3t"}}})
+    catalog = load_catalog([dataset])
+    rank_cfg = worker_config(job_config(cfg))
+    assert service_name(with_compute(cfg, "actors"), "fp", job="01") == \
+        service_name(with_compute(rank_cfg, "actors"), "fp", job="01")
+    assert "s3cr3t" not in service_name(cfg, "fp", job="01")
+    auto = config_from_dict({**cfg.to_dict(), "decode": {**cfg.to_dict()["decode"],
+                                                        "compute": "auto"}})
+    assert not prestart_job_pool(auto, catalog.fingerprint, 2)  # one small node: process
+    assert prestart_job_pool(cfg, catalog.fingerprint, 2)
+    svc = _service(cfg, catalog)
+    before = ray.get(svc.stats.remote())
+    assert before["ranks"] == 0 and before["started"] == 4  # pool_max 2 x 2 pipelines
+    loader = IngestLoader(rank_cfg, Topology(world_size=2, rank=0, read_workers=1),
+                          catalog=catalog)
+    n = sum(len(b.sids) for _, bs in loader.epochs(1) for b in bs)
+    after = ray.get(svc.stats.remote())
+    assert n == 40 and after["started"] == 4 and after["dispatched"] > 0
+    assert _gone(cfg, catalog)
+
+
+def _completion_order(outer: dict) -> list:
+    """The order in which the workers finished the submitted items: polled every 10 ms (an
+    item takes 0.15 s), resolving the controller's answers (the results' refs) as they come."""
+    import ray
+
+    inner: dict = {}
+    order: list = []
+    deadline = time.monotonic() + 60
+    while len(order) < len(outer) and time.monotonic() < deadline:
+        ready, _ = ray.wait(list(outer), num_returns=len(outer), timeout=0)
+        for ref in ready:
+            if outer[ref] not in inner.values():
+                inner[ray.get(ref)[0]] = outer[ref]
+        done, _ = ray.wait(list(inner), num_returns=len(inner), timeout=0.01)
+        order += [inner[r] for r in done if inner[r] not in order]
+    assert sorted(order) == sorted(outer.values())
+    return order
+
+
+def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local, dataset):
+    """One worker. Rank 0 submits steps 0-5, rank 1 joins later and submits steps 0 and 1:
+    rank 1's steps run before rank 0's later ones (the calls the worker already held
+    excepted). Ranks 2 and 3 join together, rank 3 submits its first items 0.5 s after rank 2
+    submitted steps 0-3: rank 2's later steps wait for rank 3's first (a rank that just
+    joined is not overtaken by another's look-ahead)."""
+    import ray
+
+    from ray_ingest.execution import service
+
+    cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=0.03)  # 0.15 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    svc = service.connect(cfg, 1, catalog.fingerprint)
+
+    def join(rank):
+        ray.get(svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
+
+    def submit(rank, step):
+        item = items[step]
+        return svc.submit.remote(f"c{rank}", (0, step), catalog.shard(item.sid), item)
+
+    join(0)
+    while ray.get(svc.stats.remote())["history"][-1]["held"] < 1:
+        time.sleep(0.1)
+    outer = {submit(0, s): (0, s) for s in range(6)}
+    time.sleep(0.3)
+    join(1)
+    outer |= {submit(1, s): (1, s) for s in range(2)}
+    order = _completion_order(outer)
+    # rank 1's steps 0 and 1 overtake rank 0's steps 3-5, which waited at the controller; only
+    # what the worker already held when rank 1 asked (two calls, a third once one finished)
+    # runs before them
+    first_of_1 = order.index((1, 0))
+    assert order[first_of_1 + 1] == (1, 1) and 2 <= first_of_1 <= 3, order
+    assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
+    join(2)
+    join(3)
+    outer = {submit(2, s): (2, s) for s in range(4)}
+    time.sleep(0.5)  # less than service.START_GRACE_S
+    outer |= {submit(3, s): (3, s) for s in range(2)}
+    assert _completion_order(outer) == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (2, 3)]
+    deadline = time.monotonic() + 30  # the workers' busy time is read every control period
+    while set((stats := ray.get(svc.stats.remote()))["rank_busy_s"]) != {0, 1, 2, 3}:
+        assert time.monotonic() < deadline, stats["rank_busy_s"]
+        time.sleep(0.2)
+    assert stats["dispatched"] == 14
+    for rank in range(4):
+        ray.get(svc.leave.remote(f"c{rank}"))
+    assert _gone(cfg, catalog)
