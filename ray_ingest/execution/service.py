@@ -74,12 +74,20 @@ EXPORT_WINDOW_S = 5.0
 HISTORY = 7200
 
 
+def _stable(obj: Any) -> str:
+    """A setting that JSON cannot write, as the same text in every rank's process: a hook
+    given as a callable by its import path (its ``repr`` holds an address)."""
+    if callable(obj) and hasattr(obj, "__qualname__"):
+        return f"{getattr(obj, '__module__', '?')}:{obj.__qualname__}"
+    return str(obj)
+
+
 def service_name(cfg: Config, dataset: str, job: str | None = None) -> str:
     """The controller's actor name for this job (default: this process's), config and
     dataset: ranks of one job with the same settings share one pool (a hash: no setting, and
     no credential, shows in the name)."""
     job = job if job is not None else ray.get_runtime_context().get_job_id()
-    doc = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    doc = json.dumps(cfg.to_dict(), sort_keys=True, default=_stable)
     digest = hashlib.sha1(f"{job}|{dataset}|{doc}".encode()).hexdigest()[:16]
     return f"ray_ingest_decode_{digest}"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import types
 
 import pytest
 
@@ -324,3 +325,23 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
     for rank in range(4):
         ray.get(svc.leave.remote(f"c{rank}"))
     assert _gone(cfg, catalog)
+
+
+def test_ranks_with_one_hook_callable_name_the_same_pool(dataset):
+    """A hook given as a callable names the pool by its import path: every rank's process
+    (where its repr holds a different address) joins one pool; another hook, another pool."""
+    from ray_ingest.execution.service import service_name
+    from tests.support import hooks
+
+    base = _cfg(dataset, sim_cost_s=0.001).to_dict()
+
+    def with_hook(fn):
+        return config_from_dict({**base, "decode": {**base["decode"], "transform": fn}})
+
+    # what another rank's process holds: the same function at another address
+    other = types.FunctionType(hooks.draws.__code__, hooks.draws.__globals__, "draws")
+    other.__qualname__ = hooks.draws.__qualname__
+    assert repr(other) != repr(hooks.draws)
+    names = {service_name(with_hook(fn), "fp", job="01") for fn in (hooks.draws, other)}
+    assert len(names) == 1
+    assert names != {service_name(with_hook(hooks.drop_odd), "fp", job="01")}
