@@ -255,17 +255,19 @@ def test_aspect_buckets_give_one_shape_per_batch(tmp_path):
     assert np.all(np.array(counts) > 0)
 
 
-def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
+@pytest.mark.parametrize("scope", ["rank", "job"])
+def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path, scope):
     """A 12 s pause (a checkpoint, a validation pass) with a small object-store budget idles the
     decode actors; Ray's autoscaler would shrink the pool then grow it again with a new actor
     (seen with ``scale_down_hold_s: 0``). With the hold, no actor is retired across the pause
-    (the pool may still grow to ``pool_max`` when the rank waits on it)."""
+    (the pool may still grow to ``pool_max`` when the rank waits on it): the rank's own pool and
+    the job's (whose controller counts its retirements)."""
     out = str(tmp_path / "pause")
     synth_dataset(out, samples=640, shard_size=32, seed=1, min_side=160, max_side=224)
     cfg = config_from_dict({
         "data": {"paths": [out]},
         "decode": {"resolution": 96, "pool_min": 1, "pool_max": 2, "num_cpus": 0.25,
-                   "compute": "actors",
+                   "compute": "actors", "pool_scope": scope,
                    "scale_down_hold_s": 60},
         "loader": {"head_start_batches": 0, "batch_size": 16, "read_workers": 1, "block_rows": 16,
                    "object_store_limit": 16_000_000},
@@ -277,6 +279,16 @@ def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path):
             if epoch == 1 and n == 5:
                 before = set(loader.actors_seen)
                 time.sleep(12)
+        if epoch == 1 and scope == "job":  # the execution is still open: the pool is up
+            import ray
+
+            from ray_ingest.execution.service import service_name
+
+            svc = ray.get_actor(service_name(cfg, load_catalog([out]).fingerprint))
+            job_stats = ray.get(svc.stats.remote())
     assert loader.executions == 1 and before
     assert before <= loader.actors_seen and len(loader.actors_seen) <= 2
-    assert ", 0 retired idle," in loader.data_stats[-1], loader.data_stats
+    if scope == "rank":
+        assert ", 0 retired idle," in loader.data_stats[-1], loader.data_stats
+    else:
+        assert job_stats["retired"] == 0 and job_stats["started"] <= 2, job_stats

@@ -58,11 +58,11 @@ def test_stage_fractions_add_up_to_the_measured_loop_time(ray_local, tmp_path):
     assert abs((c.wait + c.assemble + c.transfer + c.compute) / elapsed - 1.0) <= 0.10
     m = loader.metrics()
     assert m["batches"] == 6 and m["samples"] == 48 and m["actors_seen"] >= 1
-    # the execution's own stats are kept: the rank's decode actors read their own items by
-    # default (loader.fused_read), on the rank's pool (execution/pool.py)
-    assert cfg.loader.fused_read
-    assert loader.data_stats and loader.data_stats[-1].startswith("actors: ")
-    assert "read items decoded on up to" in loader.data_stats[-1]
+    # the execution's own stats are kept: decode actors read their own items by default
+    # (loader.fused_read), on the job's shared pool (execution/jobpool.py)
+    assert cfg.loader.fused_read and cfg.decode.pool_scope == "job"
+    assert loader.data_stats and loader.data_stats[-1].startswith("job: ")
+    assert "read items decoded on a job pool of up to" in loader.data_stats[-1]
     # the job's log line carries the same breakdown
     line = format_step_log(step=6, epoch=0, loss=0.5, samples_per_s=48 / elapsed,
                            data_wait=stages["data_wait"], stages=stages)
