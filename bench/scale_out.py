@@ -1043,6 +1043,11 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
     if released and results:
         out.update(summarize_phase(results, released, t0, world, args.batch, slot_events,
                                    args.sim_cost_s, hist))
+    elif hist:  # a failed phase: what the controller saw last, to tell why
+        out["pool"] = {k: hist.get(k) for k in ("started", "retired", "lost", "target",
+                                                "reason", "dispatched", "ranks")}
+        out["pool_history_tail"] = hist["history"][-40:]
+        out["released_steps"] = len(released)
     out["churn"] = {k: {**v, "t": round(v["t"] - t0, 1)} for k, v in churn.items()}
     out["pool_stats"] = sorted({x for r in results for x in r["stats"]})[:3]
     return out

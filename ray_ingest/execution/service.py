@@ -567,14 +567,19 @@ _HANDLES: dict[str, Any] = {}
 
 
 def connect(cfg: Config, pipelines: int, dataset: str) -> Any:
-    """The job's controller: the running one of this name, or a new one on this node."""
+    """The job's controller: the running one of this name, or a new one on this node.
+
+    Pinned to this node (the driver's, or a rank's), not merely preferred: Ray's soft
+    affinity passes over a node without CPUs (a head with ``resources: {"CPU": 0}``, as
+    cluster.yaml has it) and put the controller on a decode node, whose removal then took the
+    job's pool with it (``bench/scale_out.py``'s churn phase stalled every rank that way)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
     name = service_name(cfg, dataset)
     handle = ray.remote(DecodeService).options(
         name=name, get_if_exists=True, num_cpus=0, max_restarts=0,
-        lifetime=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True),
+        lifetime=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(cfg, pipelines, dataset)
     old = _HANDLES.get(name)
     if old is None or old._actor_id != handle._actor_id:  # keep the creating handle

@@ -115,6 +115,28 @@ def read_ledger(audit_dir: str) -> dict[int, list[dict]]:
     return out
 
 
+def test_the_job_pool_controller_stays_on_the_node_that_starts_it(cluster):
+    """The driver's node here is the head, which has no CPUs (as cluster.yaml's): the job's
+    controller (0 CPUs) is placed there, not on a decode node whose removal would end it and,
+    with it, the job's pool."""
+    import ray
+
+    from ray_ingest.config import config_from_dict
+    from ray_ingest.execution import service
+
+    cfg = config_from_dict({"data": {"paths": ["/nonexistent"]},
+                            "decode": {"compute": "actors", "pool_min": 1, "pool_max": 1,
+                                       "label_selector": {"pool": "cpu-decode"}}})
+    here = ray.get_runtime_context().get_node_id()
+    assert here == cluster.head.node_id
+    handle = service.connect(cfg, 1, "placement-probe")
+    ray.get(handle.stats.remote())  # up
+    info = ray._private.state.actors(handle._actor_id.hex())
+    assert info["Address"]["NodeID"] == here, info["Address"]
+    ray.kill(handle, no_restart=True)
+    service._HANDLES.clear()
+
+
 # --- 1. Train placement and the loss of a Train worker's node ----------------------------------
 
 def test_placement_by_label_and_train_node_loss(cluster, tmp_path, monkeypatch):
