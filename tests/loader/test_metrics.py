@@ -127,8 +127,10 @@ def test_loader_and_read_metrics_reach_the_metrics_endpoint(ray_local, tmp_path)
         _oversize_first_member(tar)
     cfg = config_from_dict({
         "data": {"paths": [str(root)]},
+        # the rank's own pool of one actor: the pool-size gauge is exactly 1 (the job's pool
+        # may grow to pool_max x the job's 2 ranks; its metrics: tests/execution/test_jobpool)
         "decode": {"resolution": 16, "pool_min": 1, "pool_max": 1, "num_cpus": 0.25,
-                   "compute": "actors",
+                   "compute": "actors", "pool_scope": "rank",
                    "max_member_bytes": 64 * 1024},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 4, "read_workers": 1, "shuffle": False, "equal_work": False,
