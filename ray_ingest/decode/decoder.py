@@ -280,6 +280,11 @@ class Decoder:
         if not isinstance(result, dict):
             raise HookError(f"transform {self.hook_name} returned a {type(result).__name__}, "
                             f"expected a dict of fields or None")
+        dropped = [m for m in fields if m not in result]
+        if dropped:  # a listed modality never leaves the batch without a word
+            raise HookError(f"transform {self.hook_name} dropped {', '.join(dropped)}: return "
+                            f"every decoded modality (list in data.modalities only what you "
+                            f"train on)")
         return {_field_name(self.hook_name, k): _plain(v) for k, v in result.items()}
 
     # --- a block -------------------------------------------------------------------------

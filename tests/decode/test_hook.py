@@ -94,6 +94,8 @@ def test_none_is_a_counted_filter_outside_the_error_budgets():
 @pytest.mark.parametrize("name, message", [
     ("boom", "transform tests.support.hooks:boom failed: ValueError: no good k00001"),
     ("not_a_dict", "transform tests.support.hooks:not_a_dict returned a list, expected a dict"),
+    ("without_label", "transform tests.support.hooks:without_label dropped label: return "
+                      "every decoded modality"),
 ])
 def test_hook_errors_name_the_sample_and_the_hook(name, message):
     cfg = DecodeConfig(resolution=32, transform=f"tests.support.hooks:{name}")

@@ -34,6 +34,11 @@ def not_a_dict(sample, rng, ctx):
     return [1, 2]
 
 
+def without_label(sample, rng, ctx):
+    """Builds a new dict without the label it was given."""
+    return {k: v for k, v in sample.items() if k != "label"}
+
+
 class Scale:
     """A class hook: built once per worker with ``decode.transform_kwargs``."""
 
