@@ -16,7 +16,7 @@ from ray_ingest.execution.local import LocalExecution
 from ray_ingest.loader.ingest import IngestLoader
 from ray_ingest.plan.topology import Topology
 from tests.support import multimodal
-from tests.support.roundtrip import run_save_load
+from tests.support.roundtrip import LoaderNode, run_save_load
 
 EPOCHS = 2
 
@@ -102,37 +102,29 @@ def test_every_mode_gets_the_same_batches_and_draws(ray_local, dataset, compute)
     assert got == _baseline(dataset)
 
 
-class _Node:
+@pytest.mark.ray
+def test_the_ray_data_engine_gets_the_same_batches_and_draws(ray_local, dataset):
+    """``loader.fused_read: false``: the read tasks and decode actors of a Ray Data execution
+    (Arrow blocks between them) carry every modality and every hook field too."""
+    doc = _cfg(dataset, "actors").to_dict()
+    doc["loader"]["fused_read"] = False
+    got = _run(config_from_dict(doc), load_catalog([dataset]), local=False)[0]
+    assert got == _baseline(dataset)
+
+
+def _node(dataset: str) -> LoaderNode:
     """The loader taken batch by batch (the round-trip helper's stage)."""
-
-    def __init__(self, dataset: str):
-        self.cfg = _cfg(dataset)
-        self.catalog = load_catalog([dataset])
-        self.loader = IngestLoader(self.cfg, Topology(2, 1, 2), catalog=self.catalog,
-                                   open_execution=LocalExecution.factory(self.cfg, self.catalog))
-        self._batches = self._iterate()
-
-    def _iterate(self):
-        for epoch, batches in self.loader.epochs(EPOCHS):
-            for b in batches:
-                yield _record(epoch, b)
-
-    @staticmethod
-    def next(node):
-        return next(node._batches, None)
-
-    def get_state(self):
-        return self.loader.get_state()
-
-    def load_state(self, state):
-        self.loader.load_state(state)
-        self._batches = self._iterate()
+    cfg = _cfg(dataset)
+    catalog = load_catalog([dataset])
+    loader = IngestLoader(cfg, Topology(2, 1, 2), catalog=catalog,
+                          open_execution=LocalExecution.factory(cfg, catalog))
+    return LoaderNode(loader, EPOCHS, _record)
 
 
 def test_stop_and_resume_at_any_step_gives_the_same_draws(dataset):
     per_epoch = sum(1 for r in _baseline(dataset) if r[0] == 0)
-    steps = [_Node.next] * (len(_baseline(dataset)) + 1)
-    res = run_save_load(lambda: _Node(dataset), steps,
+    steps = [LoaderNode.next] * (len(_baseline(dataset)) + 1)
+    res = run_save_load(lambda: _node(dataset), steps,
                         {"initial": 0, "mid-epoch": 1, "end-of-epoch": per_epoch,
                          "next-epoch": per_epoch + 1})
     before, after = res[0]

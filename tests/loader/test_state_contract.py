@@ -23,7 +23,7 @@ from ray_ingest.plan.epoch import EpochPlan, ReadItem
 from ray_ingest.plan.topology import Topology
 from ray_ingest.tools.synth import synth_dataset
 from tests.support.group_ranks import ThreadChannel
-from tests.support.roundtrip import Replay, consumed_rows, run_save_load
+from tests.support.roundtrip import LoaderNode, Replay, consumed_rows, run_save_load
 
 
 def test_every_stateful_stage_keeps_the_contract():
@@ -284,35 +284,16 @@ def small(tmp_path_factory):
     return out
 
 
-class _LoaderNode:
+def _loader_node(path) -> LoaderNode:
     """An in-process loader taken batch by batch over two epochs (a trainer's loop)."""
-
-    EPOCHS = 2
-
-    def __init__(self, path):
-        cfg = config_from_dict({"data": {"paths": [path]}, "decode": {"resolution": 8},
-                                "loader": {"batch_size": 4, "seed": 2, "read_workers": 2}})
-        self.loader = IngestLoader(cfg, Topology(world_size=2, rank=1, read_workers=2),
-                                   open_execution=LocalExecution.factory(cfg, _catalog(path)),
-                                   catalog=_catalog(path))
-        self._batches = self._iterate()
-
-    def _iterate(self):
-        for epoch, batches in self.loader.epochs(self.EPOCHS):
-            for b in batches:
-                yield (epoch, b.step_in_epoch, b.sample_keys, b.sids, b.indices, b.pads,
-                       int(b.data["image"].sum()))
-
-    @staticmethod
-    def next(node):
-        return next(node._batches, None)
-
-    def get_state(self):
-        return self.loader.get_state()
-
-    def load_state(self, state):
-        self.loader.load_state(state)
-        self._batches = self._iterate()
+    cfg = config_from_dict({"data": {"paths": [path]}, "decode": {"resolution": 8},
+                            "loader": {"batch_size": 4, "seed": 2, "read_workers": 2}})
+    loader = IngestLoader(cfg, Topology(world_size=2, rank=1, read_workers=2),
+                          open_execution=LocalExecution.factory(cfg, _catalog(path)),
+                          catalog=_catalog(path))
+    return LoaderNode(loader, 2, lambda epoch, b: (
+        epoch, b.step_in_epoch, b.sample_keys, b.sids, b.indices, b.pads,
+        int(b.data["image"].sum())))
 
 
 _CATALOGS: dict[str, object] = {}
@@ -325,11 +306,11 @@ def _catalog(path):
 
 
 def test_loader_round_trip_at_every_position(small):
-    probe = _LoaderNode(small)
+    probe = _loader_node(small)
     per_epoch = sum(1 for _ in probe.loader.epochs(1) for _ in _[1])
     assert per_epoch >= 2
-    steps = [_LoaderNode.next] * (2 * per_epoch + 1)  # the last step finds the end
-    res = run_save_load(lambda: _LoaderNode(small), steps,
+    steps = [LoaderNode.next] * (2 * per_epoch + 1)  # the last step finds the end
+    res = run_save_load(lambda: _loader_node(small), steps,
                         {"initial": 0, "mid-epoch": 1, "end-of-epoch": per_epoch,
                          "next-epoch": per_epoch + 1})
     full = res[0][1]
@@ -339,6 +320,6 @@ def test_loader_round_trip_at_every_position(small):
 def test_loader_load_state_checks_the_data(small, tmp_path):
     other = str(tmp_path / "other")
     synth_dataset(other, samples=29, shard_size=6, seed=1, min_side=16, max_side=24)
-    state = _LoaderNode(small).get_state()
+    state = _loader_node(small).get_state()
     with pytest.raises(StateError, match="read state field 'fingerprint'"):
-        _LoaderNode(other).load_state(state)
+        _loader_node(other).load_state(state)

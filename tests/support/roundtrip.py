@@ -116,3 +116,29 @@ def consumed_rows(epoch: int, block: Block) -> list[tuple[int, int]]:
     """``(epoch, seq)`` of a block's real rows (not planned padding)."""
     return [(epoch, int(s)) for s, p in zip(block[SEQ], block[PAD], strict=True)
             if s >= 0 and not p]
+
+
+class LoaderNode:
+    """A loader taken batch by batch over ``epochs`` epochs (a trainer's loop) as a stage of
+    :func:`run_save_load`: a step is :meth:`next`, the batch reduced by ``record(epoch,
+    batch)`` to something comparable."""
+
+    def __init__(self, loader: Any, epochs: int, record: Callable[[int, Any], Any]):
+        self.loader, self.epochs, self.record = loader, epochs, record
+        self._batches = self._iterate()
+
+    def _iterate(self):
+        for epoch, batches in self.loader.epochs(self.epochs):
+            for b in batches:
+                yield self.record(epoch, b)
+
+    @staticmethod
+    def next(node: LoaderNode) -> Any:
+        return next(node._batches, None)
+
+    def get_state(self) -> dict[str, Any]:
+        return self.loader.get_state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.loader.load_state(state)
+        self._batches = self._iterate()
