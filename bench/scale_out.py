@@ -465,15 +465,22 @@ class SimRanks:
                         timeout=BARRIER_TIMEOUT_S)
             local.wait()
 
+        return self._per_rank(
+            lambda rank: {"rank": rank, **rank_loop(self.loaders[rank], steps, compute_s, sync)},
+            on_error=local.abort)
+
+    def _per_rank(self, body: Any, on_error: Any = None) -> list[dict[str, Any]]:
+        """``body(rank)`` for every rank, each in its own thread; an exception is reported as
+        the rank's ``error``, not lost in the thread (then ``on_error()``)."""
         out: dict[int, Any] = {}
 
         def one(rank: int) -> None:
             try:
-                out[rank] = {"rank": rank,
-                             **rank_loop(self.loaders[rank], steps, compute_s, sync)}
-            except BaseException as exc:  # reported, not lost in the thread
+                out[rank] = body(rank)
+            except BaseException as exc:
                 out[rank] = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-                local.abort()
+                if on_error is not None:
+                    on_error()
 
         threads = [threading.Thread(target=one, args=(r,)) for r in self.loaders]
         for t in threads:
@@ -487,20 +494,7 @@ class SimRanks:
 
     def run(self, epochs: int = 1, max_batches: int | None = None) -> list[dict[str, Any]]:
         """Every rank consumes up to ``max_batches`` batches in its own thread."""
-        out: dict[int, Any] = {}
-
-        def one(rank: int) -> None:
-            try:
-                out[rank] = self._consume(rank, epochs, max_batches)
-            except BaseException as exc:  # reported, not lost in the thread
-                out[rank] = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
-
-        threads = [threading.Thread(target=one, args=(r,)) for r in self.loaders]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return [out[r] for r in self.loaders]
+        return self._per_rank(lambda rank: self._consume(rank, epochs, max_batches))
 
     def _consume(self, rank: int, epochs: int, max_batches: int | None) -> dict[str, Any]:
         loader = self.loaders[rank]

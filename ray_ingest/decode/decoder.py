@@ -402,10 +402,9 @@ def column(values: list[Any], fill: np.ndarray | None = None) -> np.ndarray:
         if isinstance(first, np.ndarray) and all(
                 isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype
                 for v in real):
-            out = np.zeros((len(values), *first.shape), first.dtype)
+            out = np.empty((len(values), *first.shape), first.dtype)
             for i, v in enumerate(values):
-                if v is not _SKIPPED:
-                    out[i] = v
+                out[i] = 0 if v is _SKIPPED else v
             return out
         if all(isinstance(v, (bool, int, float, np.number, np.bool_)) for v in real):
             kinds = {type(v) for v in real}

@@ -107,12 +107,12 @@ def to_batch(cols: dict[str, np.ndarray], cfg: DecodeConfig, device: Any, *, buc
     """
     data: dict[str, Any] = {}
     for name, col in cols.items():
-        if name in NOT_FIELDS or name in skip:
-            continue
+        if name in NOT_FIELDS or name in skip or name == cfg.caption_modality:
+            continue  # (the caption: strings, below)
         # rows of a GPU batch are stacked straight into pinned memory: one copy to the host
         # staging buffer, then the DMA (not a stack, a pin and the DMA)
         pin = _pinned if on_accelerator(device) and col.dtype == object else None
-        arr = stackable(col, pin) if name != cfg.caption_modality else None
+        arr = stackable(col, pin)
         if arr is not None and arr.dtype.kind in "biuf":
             data[name] = to_tensor(arr, device)
         else:
