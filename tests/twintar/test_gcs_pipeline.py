@@ -191,8 +191,11 @@ def pipeline_cfg(paths: list[str], storage_options: dict):
     return config_from_dict({
         "data": {"paths": paths, "modalities": ["image", "caption", "umt5"],
                  "storage_options": storage_options},
+        # the rank's own pool: every run starts cold workers, so the fault-free run's request
+        # count is the baseline of the faulted one (the job's pool would lend the second run
+        # the first run's warm gcsfs caches, and fewer requests)
         "decode": {"resolution": 16, "embedding_modality": "umt5", "pool_min": 1, "pool_max": 2,
-                   "num_cpus": 0.25, "compute": "actors"},
+                   "num_cpus": 0.25, "compute": "actors", "pool_scope": "rank"},
         "loader": {"head_start_batches": 0,  # the Ray edge alone
                    "batch_size": 4, "read_workers": 1, "read_num_cpus": 0.25, "block_rows": 8,
                    "seed": 3, "prefetch_batches": 1},
