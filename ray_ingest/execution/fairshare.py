@@ -112,8 +112,12 @@ class SizerSettings:
     #: Seconds of no data-wait before the pool shrinks (``decode.scale_down_hold_s``); also
     #: the window the busy CPUs are averaged over.
     hold_s: float = 30.0
-    #: Workers kept per busy worker when shrinking.
+    #: Workers kept per busy worker when shrinking, rounded up to whole workers...
     headroom: float = 1.2
+    #: ...unless that rounds past this many per busy worker while fewer whole workers still
+    #: leave ``slack_min`` spare: then the fewer (at ~3.9 busy, 4 workers rather than 5).
+    headroom_max: float = 1.25
+    slack_min: float = 1.02
     #: Grow when the ranks waited more than this share of the last ``grow_window_s``...
     grow_wait: float = 0.05
     grow_window_s: float = 5.0
@@ -134,8 +138,8 @@ class Sizer:
       are still starting.
     * **Shrink** after ``hold_s`` without data-wait (since the last growth), to the workers
       the ranks' consumption keeps busy (:func:`consumption_demand`; the busy workers over
-      that ``hold_s`` where it is not known, or where they are fewer) × ``headroom`` (at
-      least ``lo``), again at most
+      that ``hold_s`` where it is not known, or where they are fewer) × ``headroom`` in whole
+      workers (:func:`keep_workers`; at least ``lo``), again at most
       every third of ``hold_s`` while it holds: trainer-bound ranks give back what they do
       not use within about ``2 × hold_s``; a pause of the train loop shorter than ``hold_s``
       keeps the pool, and so does a pool no rank has joined yet (started early by the job's
@@ -209,7 +213,7 @@ class Sizer:
         # what the ranks consume, when known: busy also counts the look-ahead the ranks'
         # windows fill at their start, which a steady state does not need
         need = busy if sig.demand is None else min(busy, sig.demand)
-        want = _clamp(math.ceil(need * s.headroom - 1e-9), s.lo, s.hi)
+        want = _clamp(keep_workers(need, s.headroom, s.headroom_max, s.slack_min), s.lo, s.hi)
         if want < target:
             self.target = want
             self.reason = (f"shrink: ranks waited {wait:.1%} over {dt:.0f} s, "
@@ -241,6 +245,19 @@ def consumption_demand(taken: Sequence[Sequence[tuple[float, int]]], now: float,
         seen = True
         rate += (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
     return rate * cost_s if seen else None
+
+
+def keep_workers(need: float, headroom: float, headroom_max: float, slack_min: float) -> int:
+    """Whole workers to keep for ``need`` busy ones: ``need × headroom`` rounded up, or the
+    most whole workers within ``need × headroom_max`` where rounding up would hold more and
+    those still leave ``slack_min`` spare. Whole workers make the held/busy ratio jump (at 3.9
+    busy, 5 workers hold 1.28× and 4 hold 1.03×): the cap keeps a pool from holding a worker
+    it barely uses, the slack keeps it from one it cannot do without."""
+    want = math.ceil(need * headroom - 1e-9)
+    cap = math.floor(need * headroom_max + 1e-9)
+    if headroom <= headroom_max and cap < want and cap >= need * slack_min:
+        return cap
+    return want
 
 
 def _clamp(n: int, lo: int, hi: int) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 
 import pytest
 
@@ -17,6 +18,7 @@ from ray_ingest.execution.fairshare import (
     SizerSettings,
     ahead_calls,
     consumption_demand,
+    keep_workers,
     step_key,
     window_calls,
 )
@@ -267,4 +269,25 @@ def test_shrink_follows_consumption_not_the_look_ahead_a_start_fills():
     for _ in range(24):
         t += 0.5
         sizer.update(Signals(t, 8, 0, 8 * t, 0.0, 4, 0, 0, demand=3.9))
-    assert sizer.target == 5 and "consumption keeps 3.90 busy" in sizer.reason
+    # 3.9 busy: 4 whole workers (1.03x, 2.6 % spare) rather than ceil(3.9 x 1.2) = 5 (1.28x)
+    assert sizer.target == 4 and "consumption keeps 3.90 busy" in sizer.reason
+
+
+@pytest.mark.parametrize("need,kept", [
+    (3.9, 4),    # ceil(4.68) = 5 holds 1.28x; 4 still leaves 2.6 % spare
+    (3.85, 4),
+    (3.95, 5),   # 4 would leave 1.3 % spare: round up (1.27x)
+    (4.0, 5),    # 4 would leave none
+    (5.0, 6),    # ceil(6.0) = 6 is within 1.25x already
+    (10.0, 12),
+    (0.5, 1),
+    (2.5, 3),    # ceil(3.0) = 3 = 1.2x
+    (3.0, 4),    # no whole worker between 3.06 and 3.75: round up (1.33x)
+    (0.0, 0),
+])
+def test_whole_workers_kept_stay_within_the_cap_where_a_spare_margin_allows(need, kept):
+    assert keep_workers(need, 1.2, 1.25, 1.02) == kept
+    # a headroom above the cap is the operator's choice and is kept
+    assert keep_workers(need, 1.5, 1.25, 1.02) == math.ceil(need * 1.5 - 1e-9)
+    # the rule never keeps fewer than the busy workers plus the spare margin
+    assert kept >= need * 1.02 - 1e-9 or kept == 0
