@@ -28,7 +28,7 @@ from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.config import Config
 from ray_ingest.decode.sizing import block_rows
 from ray_ingest.execution import service
-from ray_ingest.execution.fairshare import ahead_calls, step_key, window_calls
+from ray_ingest.execution.fairshare import TakeRate, ahead_calls, step_key, window_calls
 from ray_ingest.execution.pool import (
     PER_WORKER,
     POLL_S,
@@ -88,6 +88,8 @@ class JobPoolExecution(PoolExecution):
         #: Seconds this rank waited on the pool for its next rows (reported to the controller).
         self.wait_s = 0.0
         self._waiting: float | None = None
+        #: The items per second this rank takes (reported: the pool's demand).
+        self._rate = TakeRate(service.hold_s(cfg))
 
     # --- the controller ------------------------------------------------------------------
     def start(self) -> None:
@@ -143,7 +145,7 @@ class JobPoolExecution(PoolExecution):
         if self._report_ref is None and now - self._reported >= service.REPORT_S:
             self._reported = now
             self._report_ref = self._service.report.remote(self.client, self._waited(),
-                                                           self.done)
+                                                           self._rate.rate(now))
         if wait_s:
             time.sleep(wait_s)
 
@@ -192,6 +194,7 @@ class JobPoolExecution(PoolExecution):
             raise self._cause(exc) from None
         self._calls.popleft()
         self.done += 1
+        self._rate.took(step_key(call.item, self.cfg.loader.batch_size), time.monotonic())
         self._fill()
         yield from blocks
 

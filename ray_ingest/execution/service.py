@@ -74,6 +74,12 @@ EXPORT_WINDOW_S = 5.0
 HISTORY = 7200
 
 
+def hold_s(cfg: Config) -> float:
+    """The pool's shrink hold (``decode.scale_down_hold_s``; 0: a few control periods), also
+    the window the ranks measure their consumption over."""
+    return cfg.decode.scale_down_hold_s or CONTROL_S * 4
+
+
 def _stable(obj: Any) -> str:
     """A setting that JSON cannot write, as the same text in every rank's process: a hook
     given as a callable by its import path (its ``repr`` holds an address)."""
@@ -174,8 +180,10 @@ class _Rank:
     #: When it joined (monotonic) and the step of its first item (None: none yet).
     joined: float = attrs.field(factory=time.monotonic)
     first: tuple[int, int] | None = None
-    #: (controller clock, items taken so far) at each change: its consumption rate.
-    taken: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=256))
+    #: Items per second it takes (:class:`~ray_ingest.execution.fairshare.TakeRate`; None:
+    #: not known yet) and when it said so (monotonic).
+    rate: float | None = None
+    rate_t: float = 0.0
 
 
 class DecodeService:
@@ -191,7 +199,7 @@ class DecodeService:
         dc = cfg.decode
         self.cfg, self.num_cpus = cfg, dc.num_cpus
         self.sizer = Sizer(SizerSettings(lo=dc.pool_min, hi=max(1, dc.pool_max * pipelines),
-                                         hold_s=dc.scale_down_hold_s or CONTROL_S * 4))
+                                         hold_s=hold_s(cfg)))
         self.tags = job_tags(ray.get_runtime_context().get_job_id(), dataset)
         self.workers: dict[str, _Worker] = {}
         self.ranks: dict[str, _Rank] = {}  # by client
@@ -258,15 +266,15 @@ class DecodeService:
         self._dispatch()
         return [await fut]
 
-    async def report(self, client: str, wait_s: float, taken: int = 0) -> dict[str, Any] | None:
-        """A rank's cumulative data-wait and items taken; the pool's size and ranks (None:
-        join again)."""
+    async def report(self, client: str, wait_s: float,
+                     rate: float | None = None) -> dict[str, Any] | None:
+        """A rank's cumulative data-wait and the items per second it takes; the pool's size and
+        ranks (None: join again)."""
         r = self.ranks.get(client)
         if r is None or self._ending:
             return None
         r.wait_s = wait_s
-        if not r.taken or r.taken[-1][1] != taken:
-            r.taken.append((time.monotonic() - self._t0, taken))
+        r.rate, r.rate_t = rate, time.monotonic()
         return self._view()
 
     async def cancel(self, client: str) -> None:
@@ -381,8 +389,9 @@ class DecodeService:
                       wait_s=self.wait_left + sum(r.wait_s for r in self.ranks.values()),
                       ranks=len(self.ranks), queued=self._queued(), free=self._free_workers(),
                       demand=consumption_demand(
-                          [r.taken for r in self.ranks.values()], now - self._t0,
-                          self.sizer.s.hold_s, busy / self.completed if self.completed else None))
+                          [r.rate if now - r.rate_t <= self.sizer.s.hold_s else None
+                           for r in self.ranks.values()],
+                          busy / self.completed if self.completed else None))
         target = self.sizer.update(sig)
         self._resize(target, held, pending)
         self._kill_drained(now)

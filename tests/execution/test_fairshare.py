@@ -16,6 +16,7 @@ from ray_ingest.execution.fairshare import (
     Signals,
     Sizer,
     SizerSettings,
+    TakeRate,
     ahead_calls,
     consumption_demand,
     keep_workers,
@@ -243,16 +244,49 @@ def test_a_pool_started_before_its_ranks_keeps_its_size_until_they_came():
     assert sim.sizer.target == 3  # ceil(2 * 1.2)
 
 
-def test_consumption_demand_counts_a_barrier_s_bursts_whole():
-    # two ranks taking one item per 13 s step at the barrier (reports every second), 0.8 s of
-    # a worker per item: 2 / 13 items/s x 0.8 = 0.123 workers, whatever the window's phase
-    ranks = [[(10.0 + 13.0 * k + r * 0.3, k + 1) for k in range(6)] for r in range(2)]
-    for now in (40.0, 46.0, 52.0, 75.0):
-        d = consumption_demand(ranks, now, 30.0, 0.8)
-        assert d == pytest.approx(2 / 13 * 0.8, rel=0.05), now
-    assert consumption_demand(ranks, 200.0, 30.0, 0.8) is None  # nothing taken lately
-    assert consumption_demand(ranks, 40.0, 30.0, None) is None  # cost unknown
-    assert consumption_demand([[(1.0, 5)]], 2.0, 30.0, 0.8) is None  # one change only
+def _burst(rate: TakeRate, step: int, t: float, items: int = 4) -> None:
+    for i in range(items):  # a step's items, taken together at the barrier
+        rate.took((0, step), t + 0.01 * i)
+
+
+def test_take_rate_counts_whole_steps_behind_a_barrier():
+    # the scale-out bench's 64-rank trainer-bound phase: step 0 trickles in while the pool
+    # starts, then 4 items per step at the steps' starts; the shrink is decided at 51.5 s
+    rate = TakeRate(30.0)
+    for k in range(4):
+        rate.took((0, 0), 2.0 + k)
+    assert rate.rate(10.0) is None  # the first step says nothing
+    for step, t in ((1, 20.8), (2, 35.1), (3, 47.4)):
+        _burst(rate, step, t)
+    # two whole steps between the starts of steps 1 and 3: 8 items in 26.6 s. A window's
+    # first to last take (35.1 .. 47.43) would say 4 items in 12.3 s: +8 %
+    assert rate.rate(51.5) == pytest.approx(8 / 26.6)
+    # periods alternating 12.2 / 14.3 s: always within 10 % of the mean 4 / 13.25 s
+    t = 47.4
+    for step in range(4, 20):
+        t += 12.2 if step % 2 else 14.3
+        _burst(rate, step, t)
+        for now in (t + 0.5, t + 6.0, t + 12.0):
+            assert rate.rate(now) == pytest.approx(4 / 13.25, rel=0.1), (step, now)
+
+
+def test_take_rate_with_fast_steps_and_after_taking_stops():
+    rate = TakeRate(10.0)
+    for step in range(200):  # 0.5 s steps of 2 items: 4 items/s
+        _burst(rate, step, 0.5 * step, items=2)
+    assert rate.rate(100.0) == pytest.approx(4.0, rel=0.01)
+    # the rank stops taking (an evaluation, the end): the rate decays instead of standing still
+    later = [rate.rate(now) for now in (101.0, 110.0, 200.0)]
+    assert later[0] < 4.0 and later[2] < later[1] < later[0] and later[2] < 0.5
+
+
+def test_consumption_demand_from_the_ranks_rates():
+    assert consumption_demand([0.3, 0.2], 0.8) == pytest.approx(0.4)
+    # unknown ranks count as the mean of the known ones (data-parallel ranks step together)
+    assert consumption_demand([0.3, None, 0.3, 0.2], 1.0) == pytest.approx(0.8 / 3 * 4)
+    assert consumption_demand([0.3, None, None], 1.0) is None  # fewer than half known
+    assert consumption_demand([0.3, 0.3], None) is None  # cost unknown
+    assert consumption_demand([], 1.0) is None
 
 
 def test_shrink_follows_consumption_not_the_look_ahead_a_start_fills():
