@@ -20,7 +20,9 @@ decode capacity in samples/s (the decode slots alive, averaged over the same tim
 the time to the first synchronous step against one rank alone (on the job pool at its fair
 share of the capacity, one worker at R / slots × the cost; and on the whole capacity), every
 rank's data-wait as a share of the step time (steps after the first), the decode CPUs the job
-held against those it kept busy (the job controller's samples), and every rank's exactness
+held against those it kept busy (the job controller's samples, over whole steps: from step
+:data:`SKIP_STEPS`, and from the first step released 60 s or more after the start), and
+every rank's exactness
 (its batches against the planner's, :func:`bench.scale_out.compare`).
 """
 
@@ -110,33 +112,49 @@ def capacity(events: list[tuple[float, int]], t0: float, t1: float, sim_cost_s: 
     return total / (t1 - t0) / sim_cost_s
 
 
-def held_busy(history: list[dict], num_cpus: float, t0: float, t1: float,
+def held_busy(history: list[dict], num_cpus: float, marks: list[float],
               window_s: float = 10.0) -> dict[str, float | None]:
-    """The controller's samples (its clock) over [t0, t1]: time-averaged decode CPUs held and
-    busy, their ratio, and the first time (from t0) the ratio over the last ``window_s``
-    stayed at most 1.3 to the end."""
-    pts = [h for h in history if t0 <= h["t"] <= t1]
-    if len(pts) < 2:
+    """The controller's samples (its clock) between the first and last of ``marks`` (step
+    releases, sorted): time-averaged decode CPUs held and busy, their ratio, and the start of
+    the earliest window from which every window of whole steps (at least ``window_s``) holds
+    at most 1.3× what it keeps busy (seconds after the first mark).
+
+    Whole steps: behind a barrier the pool decodes a step's items in a burst and idles until
+    the next step, so busy over a span that cuts a step is off by up to a step's work (a span
+    of 26.8 s over 13-s steps read 3.71 busy CPUs where whole steps read 3.99)."""
+    if len(marks) < 2:
         return {"held_cpus": None, "busy_cpus": None, "held_over_busy": None,
                 "le_1_3_from_s": None}
-    span = pts[-1]["t"] - pts[0]["t"]
-    held = sum(a["held"] * (b["t"] - a["t"]) for a, b in zip(pts, pts[1:], strict=False)) / span
-    busy = (pts[-1]["busy_s"] - pts[0]["busy_s"]) / span
-    ratios = []
-    for i, p in enumerate(pts):
-        old = next((q for q in reversed(pts[:i]) if p["t"] - q["t"] >= window_s), None)
-        if old is None:
-            continue
-        seg = [q for q in pts if old["t"] <= q["t"] <= p["t"]]
-        h = sum(a["held"] * (b["t"] - a["t"]) for a, b in zip(seg, seg[1:], strict=False))
-        bz = p["busy_s"] - old["busy_s"]
-        ratios.append((p["t"], h / bz if bz > 0 else math.inf))
+
+    def span(t0: float, t1: float) -> tuple[float, float]:
+        """(held CPU-s, busy CPU-s) over [t0, t1] from the samples (held is a step function,
+        busy a cumulative count read at the samples nearest the ends)."""
+        pts = [h for h in history if t0 <= h["t"] <= t1]
+        if len(pts) < 2:
+            return 0.0, 0.0
+        held = sum(a["held"] * (b["t"] - a["t"]) for a, b in zip(pts, pts[1:], strict=False))
+        # scaled to the whole span: the samples start and end within a control period of it
+        held *= (t1 - t0) / (pts[-1]["t"] - pts[0]["t"])
+        busy = (pts[-1]["busy_s"] - pts[0]["busy_s"]) * (t1 - t0) / (pts[-1]["t"] - pts[0]["t"])
+        return held, busy
+
+    held, busy = span(marks[0], marks[-1])
+    if busy <= 0:
+        return {"held_cpus": None, "busy_cpus": None, "held_over_busy": None,
+                "le_1_3_from_s": None}
+    windows = []
+    for i, m in enumerate(marks):
+        j = next((j for j in range(i - 1, -1, -1) if m - marks[j] >= window_s), None)
+        if j is not None:
+            h, b = span(marks[j], m)
+            windows.append((marks[j], h / b if b > 0 else math.inf))
     ok_from = None
-    for t, r in ratios:  # the start of the last run of windows at <= 1.3
+    for t, r in windows:  # the start of the last run of windows at <= 1.3
         ok_from = (t if ok_from is None else ok_from) if r <= 1.3 else None
-    return {"held_cpus": round(held * num_cpus, 2), "busy_cpus": round(busy * num_cpus, 2),
-            "held_over_busy": round(held / busy, 2) if busy > 0 else None,
-            "le_1_3_from_s": None if ok_from is None else round(ok_from - t0, 1)}
+    dt = marks[-1] - marks[0]
+    return {"held_cpus": round(held / dt * num_cpus, 2),
+            "busy_cpus": round(busy / dt * num_cpus, 2), "held_over_busy": round(held / busy, 2),
+            "le_1_3_from_s": None if ok_from is None else round(ok_from - marks[0], 1)}
 
 
 def summarize_phase(results: list[dict], released: dict[int, float], t0: float, world: int,
@@ -169,29 +187,36 @@ def summarize_phase(results: list[dict], released: dict[int, float], t0: float, 
                                     "max": round(max(share.values()), 4)},
         "data_wait_share_per_rank": {r: round(v, 4) for r, v in sorted(share.items())},
         "first_batch_wait_s": _spread([w[0] for w in waits.values()]),
+        "step_release_s": [round(r - t0, 2) for r in rel],
     }
     if history:
         hist, off = history["history"], history["t0_wall"]
         cpus = history["num_cpus"]
         # the last steps' items were decoded ahead (the ranks' windows): nothing is left to
         # decode for them, so busy is measured up to the release of step -1 - TAIL_STEPS
-        end = rel[max(0, steps - 1 - TAIL_STEPS)]
-        out["decode_cpus"] = held_busy(hist, cpus, a - off, end - off)
-        out["decode_cpus_after_60s"] = held_busy(hist, cpus, t0 + 60 - off, end - off)
-        out["decode_cpus_window_s"] = [round(a - t0, 1), round(t0 + 60 - t0, 1),
+        last = max(0, steps - 1 - TAIL_STEPS)
+        end = rel[last]
+        # whole steps: from step `skip`, and from the first step released 60 s or more after
+        # the start, to step `last`
+        marks = [r - off for r in rel[skip:last + 1]]
+        late = [r - off for r in rel[:last + 1] if r - t0 >= 60.0]
+        out["decode_cpus"] = held_busy(hist, cpus, marks)
+        out["decode_cpus_after_60s"] = held_busy(hist, cpus, late)
+        out["decode_cpus_window_s"] = [round(a - t0, 1),
+                                       round(late[0] + off - t0, 1) if late else None,
                                        round(end - t0, 1)]
         out["pool"] = {"started": history["started"], "retired": history["retired"],
                        "lost": history["lost"], "last_target": history["target"],
                        "reason": history["reason"]}
         # the controller's samples from the phase's start, one a second: (s, target, held,
-        # pending, busy CPU-s so far, ranks' wait so far, items queued)
+        # pending, busy CPU-s so far, ranks' wait so far, items queued, demand in workers)
         keep, last = [], -1.0
         for h in hist:
             if h["t"] + off >= t0 and h["t"] - last >= 1.0:
                 last = h["t"]
                 keep.append((round(h["t"] + off - t0, 1), h["target"], h["held"], h["pending"],
                              round(h["busy_s"] * cpus, 1), round(h["wait_s"], 1),
-                             h["queued"]))
+                             h["queued"], h.get("demand")))
         out["pool_history"] = keep
     return out
 

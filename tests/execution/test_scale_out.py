@@ -206,3 +206,24 @@ def test_gcs_event_stats_are_parsed_and_differenced(tmp_path):
                                                                           "ms": 13.4}
     assert delta["HealthCheck"] == {"calls": 6, "ms": 0.0}
     assert "Publisher.CheckDeadSubscribers" not in delta  # unchanged
+
+
+def test_held_busy_counts_whole_steps():
+    """Behind a barrier the pool decodes each 13-s step's work (4 CPUs × 11 s = 44 CPU-s) in a
+    burst: busy over whole steps is 44 / 13 = 3.38 CPUs, whatever the bursts' phase; a span
+    that cuts steps would read anything from 2.6 to 3.7."""
+    from bench.sync_steps import held_busy
+
+    hist, busy = [], 0.0
+    for k in range(131):  # one sample a second; 4 held, 4 busy for the first 11 s of a step
+        t = float(k)
+        hist.append({"t": t, "held": 4, "busy_s": busy})
+        busy += 4.0 if (k - 5) % 13 < 11 else 0.0
+    marks = [5.0 + 13 * i for i in range(10)]  # the steps' releases
+    out = held_busy(hist, 1.0, marks)
+    assert out["busy_cpus"] == pytest.approx(44 / 13, rel=0.01)
+    assert out["held_over_busy"] == pytest.approx(4 / (44 / 13), rel=0.01)
+    assert out["le_1_3_from_s"] == 0.0  # every whole-step window is at 1.18x
+    hist = [dict(h, held=5) for h in hist]  # a fifth worker the bursts never use: 1.48x
+    assert held_busy(hist, 1.0, marks)["le_1_3_from_s"] is None
+    assert held_busy(hist, 1.0, marks[:1])["busy_cpus"] is None
