@@ -85,7 +85,9 @@ class JobPoolExecution(PoolExecution):
         self._ranks = 1
         #: This execution's name at the controller (the rank may open several, one by one).
         self.client = f"{rank}:{ray.get_runtime_context().get_worker_id()}:{next(_CLIENTS)}"
-        #: Seconds this rank waited on the pool for its next rows (reported to the controller).
+        #: Seconds this rank waited for results not decoded yet (reported to the controller):
+        #: what a larger pool shortens. Fetching a finished result (the object store, a
+        #: loaded node) is not counted: more workers would not make it faster.
         self.wait_s = 0.0
         self._waiting: float | None = None
         #: The items per second this rank takes (reported: the pool's demand).
@@ -180,10 +182,14 @@ class JobPoolExecution(PoolExecution):
     def _take(self, call: _JobCall) -> Iterator[Block]:  # type: ignore[override]
         """Wait for the oldest call (submitting and reporting meanwhile), then its blocks; a
         lost worker or lost blocks: the item again, in its place."""
-        t0 = time.monotonic()
-        while not self._resolved(call, POLL_S):
-            self._fill()
-            self._check_stall(time.monotonic() - t0)
+        t0 = self._waiting = time.monotonic()
+        try:
+            while not self._resolved(call, POLL_S):
+                self._fill()
+                self._check_stall(time.monotonic() - t0)
+        finally:
+            self.wait_s += time.monotonic() - t0
+            self._waiting = None
         try:
             blocks = ray.get(call.ref)
         except LOST:
@@ -197,18 +203,6 @@ class JobPoolExecution(PoolExecution):
         self._rate.took(step_key(call.item, self.cfg.loader.batch_size), time.monotonic())
         self._fill()
         yield from blocks
-
-    def blocks(self) -> Iterator[Block]:
-        """The rank's blocks in stream order; the time to each is its wait on the pool."""
-        it = super().blocks()
-        while True:
-            self._waiting = time.monotonic()
-            block = next(it, None)
-            self.wait_s += time.monotonic() - self._waiting
-            self._waiting = None
-            if block is None:
-                return
-            yield block
 
     def _waited(self) -> float:
         """Seconds waited so far, the wait going on now included."""

@@ -8,7 +8,8 @@ decode actors that every rank of a job draws from, and the controller that feeds
   loaded first, answering each submit with the reference of the worker's result: the blocks go
   from the worker's node to the rank's through the object store, never through the
   controller. Every :data:`CONTROL_S` it reads the workers' busy time and nodes, the ranks'
-  data-wait (each reports it every :data:`REPORT_S`) and the cluster's free CPUs, sizes the
+  wait for results not decoded yet and rate of taking items (each reports them every
+  :data:`REPORT_S`) and the cluster's free CPUs, sizes the
   pool (:class:`~ray_ingest.execution.fairshare.Sizer`), starts workers (one no node has room
   for stays pending: demand the autoscaler sees), retires workers (no more items, killed once
   empty), kills the workers of a dead node (their ranks submit those items again at once),
@@ -268,8 +269,8 @@ class DecodeService:
 
     async def report(self, client: str, wait_s: float,
                      rate: float | None = None) -> dict[str, Any] | None:
-        """A rank's cumulative data-wait and the items per second it takes; the pool's size and
-        ranks (None: join again)."""
+        """A rank's cumulative wait for results not decoded yet and the items per second it
+        takes; the pool's size and ranks (None: join again)."""
         r = self.ranks.get(client)
         if r is None or self._ending:
             return None
