@@ -227,14 +227,14 @@ class TakeRate:
 
     Why between step starts: behind a step barrier a rank takes a step's items in one burst,
     then none until the next step. A rate over a time window is off by the bursts the window
-    cuts, and one from the window's first to its last take leaves out the idle time at its
-    ends: +6 % (4.1 workers for 3.85 busy) on the scale-out bench's 13-s steps, which kept a
-    worker too many. From the start of one step (its first item taken) to the start of a later
-    one the items are whole steps' and the time whole periods. The rank's first step is left
-    out (it trickles in while the pool starts). The span is the starts of the last
-    ``window_s``, at least the last two whole steps; once the next start is overdue (later
-    than a mean period after the last) the span runs to a period before now, so a rank that
-    stopped taking decays towards 0.
+    cuts; from the window's first to its last take it leaves out the idle time at the ends,
+    and with 13-s steps in a 30-s window it often spans one period, whose jitter (12.2-14.3 s
+    on the scale-out bench) goes straight into the demand. From the start of one step (its
+    first item taken) to the start of a later one the items are whole steps' and the time
+    whole periods. The rank's first step is left out (it trickles in while the pool starts).
+    The span is the starts of the last ``window_s``, at least the last two whole steps; once
+    the next start is overdue (later than a mean period after the last) the span runs to a
+    period before now, so a rank that stopped taking decays towards 0.
     """
 
     def __init__(self, window_s: float, keep: int = 256):
