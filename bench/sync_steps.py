@@ -21,7 +21,7 @@ the time to the first synchronous step against one rank alone (on the job pool a
 share of the capacity, one worker at R / slots × the cost; and on the whole capacity), every
 rank's data-wait as a share of the step time (steps after the first), the decode CPUs the job
 held against those it kept busy (the job controller's samples, over whole steps: from step
-:data:`SKIP_STEPS`, and from the first step released 60 s or more after the start), and
+:data:`SKIP_STEPS`, and from the step under way 60 s after the start), and
 every rank's exactness
 (its batches against the planner's, :func:`bench.scale_out.compare`).
 """
@@ -196,10 +196,11 @@ def summarize_phase(results: list[dict], released: dict[int, float], t0: float, 
         # decode for them, so busy is measured up to the release of step -1 - TAIL_STEPS
         last = max(0, steps - 1 - TAIL_STEPS)
         end = rel[last]
-        # whole steps: from step `skip`, and from the first step released 60 s or more after
-        # the start, to step `last`
+        # whole steps: from step `skip`, and from the step under way 60 s after the start (the
+        # last released by then), to step `last`
         marks = [r - off for r in rel[skip:last + 1]]
-        late = [r - off for r in rel[:last + 1] if r - t0 >= 60.0]
+        at60 = max((i for i, r in enumerate(rel[:last + 1]) if r - t0 <= 60.0), default=0)
+        late = [r - off for r in rel[at60:last + 1]]
         out["decode_cpus"] = held_busy(hist, cpus, marks)
         out["decode_cpus_after_60s"] = held_busy(hist, cpus, late)
         out["decode_cpus_window_s"] = [round(a - t0, 1),
