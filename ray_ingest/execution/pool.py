@@ -38,6 +38,7 @@ import ray
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
+from ray_ingest.decode.memory import decode_env
 from ray_ingest.decode.sizing import block_rows, decoded_sample_bytes
 from ray_ingest.errors import IngestError, StallError
 from ray_ingest.execution.fairshare import PER_WORKER
@@ -67,6 +68,14 @@ class DecodeWorker:
 
     def decode(self, shard: Shard, item: ReadItem) -> list[Block]:
         return self.items(shard, item)
+
+
+def decode_process_options() -> dict[str, Any]:
+    """Ray options every decode process gets: its environment
+    (:func:`ray_ingest.decode.memory.decode_env`, one malloc arena), merged by Ray with the
+    job's ``runtime_env``."""
+    env = decode_env()
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 #: The ItemDecoder of this task worker process (decode tasks run on reused workers).
@@ -139,7 +148,7 @@ class PoolExecution:
     def _actor_options(self) -> dict[str, Any]:
         dc = self.cfg.decode
         opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_restarts": -1,
-                                "max_task_retries": -1}
+                                "max_task_retries": -1, **decode_process_options()}
         if self.mode == "process":
             # the rank's companion: on the rank's node, its blocks through shared memory
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -148,6 +157,14 @@ class PoolExecution:
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)
         elif dc.label_selector:
+            opts["label_selector"] = dict(dc.label_selector)
+        return opts
+
+    def _task_options(self) -> dict[str, Any]:
+        dc = self.cfg.decode
+        opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_retries": -1,
+                                **decode_process_options()}
+        if dc.label_selector:
             opts["label_selector"] = dict(dc.label_selector)
         return opts
 
@@ -182,10 +199,7 @@ class PoolExecution:
         self._cfg_ref = ray.put(self.cfg)
         dc = self.cfg.decode
         if self.mode == "tasks":
-            opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_retries": -1}
-            if dc.label_selector:
-                opts["label_selector"] = dict(dc.label_selector)
-            self._remote = ray.remote(decode_task).options(**opts)
+            self._remote = ray.remote(decode_task).options(**self._task_options())
         else:
             self._remote = ray.remote(DecodeWorker).options(**self._actor_options())
             for _ in range(self.min_workers):

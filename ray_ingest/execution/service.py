@@ -50,6 +50,7 @@ from ray_ingest.execution.fairshare import (
     consumption_demand,
 )
 from ray_ingest.execution.local import ItemDecoder
+from ray_ingest.execution.pool import decode_process_options
 from ray_ingest.metrics import job_tags, record_job, record_rank
 from ray_ingest.plan.epoch import ReadItem
 
@@ -223,7 +224,7 @@ class DecodeService:
     def _worker_options(self) -> dict[str, Any]:
         dc = self.cfg.decode
         opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_restarts": -1,
-                                "max_task_retries": -1}
+                                "max_task_retries": -1, **decode_process_options()}
         if dc.label_selector:
             opts["label_selector"] = dict(dc.label_selector)
         return opts

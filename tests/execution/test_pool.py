@@ -135,3 +135,37 @@ def test_close_ends_the_workers_mid_stream(ray_local, dataset):
     for h in handles:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(h.ready.remote(), timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["actors", "tasks", "process", "job"])
+def test_decode_processes_start_with_one_malloc_arena(ray_local, dataset, mode, monkeypatch):
+    """Every decode process is started with MALLOC_ARENA_MAX=1 (glibc reads it once, at the
+    process's start: Ray's runtime_env), merged with the job's environment; the trainer's
+    own processes are left alone."""
+    import os
+
+    import ray
+
+    from ray_ingest.execution.service import DecodeService
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("RAY_INGEST_KEEP_FREED_MEMORY", raising=False)
+    cfg = _cfg(dataset, compute="actors" if mode == "job" else mode, threads=2)
+    catalog = load_catalog([dataset])
+    if mode == "job":
+        opts = DecodeService(cfg, 1, catalog.fingerprint)._worker_options()
+    else:
+        ex = PoolExecution(cfg, catalog, _items(cfg, catalog), threads=2)
+        opts = ex._task_options() if mode == "tasks" else ex._actor_options()
+
+    @ray.remote(num_cpus=0.01)
+    def env() -> tuple[str | None, str | None]:
+        return os.environ.get("MALLOC_ARENA_MAX"), os.environ.get("PATH")
+
+    arena, path = ray.get(env.options(runtime_env=opts["runtime_env"]).remote())
+    assert arena == "1" and path  # merged with, not instead of, the job's environment
+    assert ray.get(env.remote())[0] is None
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # the operator's choice wins
+    assert "runtime_env" not in (DecodeService(cfg, 1, catalog.fingerprint)._worker_options()
+                                 if mode == "job" else
+                                 PoolExecution(cfg, catalog, [], threads=2)._actor_options())
