@@ -70,11 +70,11 @@ class DecodeWorker:
         return self.items(shard, item)
 
 
-def decode_process_options() -> dict[str, Any]:
+def decode_process_options(cfg: Config) -> dict[str, Any]:
     """Ray options every decode process gets: its environment
-    (:func:`ray_ingest.decode.memory.decode_env`, one malloc arena), merged by Ray with the
-    job's ``runtime_env``."""
-    env = decode_env()
+    (:func:`ray_ingest.decode.memory.decode_env`: one malloc arena for large samples), merged
+    by Ray with the job's ``runtime_env``."""
+    env = decode_env(decoded_sample_bytes(cfg.decode))
     return {"runtime_env": {"env_vars": env}} if env else {}
 
 
@@ -148,7 +148,7 @@ class PoolExecution:
     def _actor_options(self) -> dict[str, Any]:
         dc = self.cfg.decode
         opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_restarts": -1,
-                                "max_task_retries": -1, **decode_process_options()}
+                                "max_task_retries": -1, **decode_process_options(self.cfg)}
         if self.mode == "process":
             # the rank's companion: on the rank's node, its blocks through shared memory
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -163,7 +163,7 @@ class PoolExecution:
     def _task_options(self) -> dict[str, Any]:
         dc = self.cfg.decode
         opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_retries": -1,
-                                **decode_process_options()}
+                                **decode_process_options(self.cfg)}
         if dc.label_selector:
             opts["label_selector"] = dict(dc.label_selector)
         return opts
@@ -197,7 +197,6 @@ class PoolExecution:
             return
         self.started = True
         self._cfg_ref = ray.put(self.cfg)
-        dc = self.cfg.decode
         if self.mode == "tasks":
             self._remote = ray.remote(decode_task).options(**self._task_options())
         else:

@@ -139,9 +139,9 @@ def test_close_ends_the_workers_mid_stream(ray_local, dataset):
 
 @pytest.mark.parametrize("mode", ["actors", "tasks", "process", "job"])
 def test_decode_processes_start_with_one_malloc_arena(ray_local, dataset, mode, monkeypatch):
-    """Every decode process is started with MALLOC_ARENA_MAX=1 (glibc reads it once, at the
-    process's start: Ray's runtime_env), merged with the job's environment; the trainer's
-    own processes are left alone."""
+    """Every process decoding large samples is started with MALLOC_ARENA_MAX=1 (glibc reads it
+    once, at the process's start: Ray's runtime_env), merged with the job's environment; the
+    trainer's own processes, and those decoding small samples, are left alone."""
     import os
 
     import ray
@@ -150,7 +150,8 @@ def test_decode_processes_start_with_one_malloc_arena(ray_local, dataset, mode, 
 
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     monkeypatch.delenv("RAY_INGEST_KEEP_FREED_MEMORY", raising=False)
-    cfg = _cfg(dataset, compute="actors" if mode == "job" else mode, threads=2)
+    # resolution 2048: a decoded sample of 12 MB, large enough for one arena
+    cfg = _cfg(dataset, compute="actors" if mode == "job" else mode, threads=2, resolution=2048)
     catalog = load_catalog([dataset])
     if mode == "job":
         opts = DecodeService(cfg, 1, catalog.fingerprint)._worker_options()
@@ -169,3 +170,6 @@ def test_decode_processes_start_with_one_malloc_arena(ray_local, dataset, mode, 
     assert "runtime_env" not in (DecodeService(cfg, 1, catalog.fingerprint)._worker_options()
                                  if mode == "job" else
                                  PoolExecution(cfg, catalog, [], threads=2)._actor_options())
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    small = _cfg(dataset, compute="actors", threads=2)  # 16x16 samples keep glibc's arenas
+    assert "runtime_env" not in PoolExecution(small, catalog, [], threads=2)._actor_options()
