@@ -70,12 +70,19 @@ class DecodeWorker:
         return self.items(shard, item)
 
 
-def decode_process_options(cfg: Config) -> dict[str, Any]:
-    """Ray options every decode process gets: its environment
-    (:func:`ray_ingest.decode.memory.decode_env`: one malloc arena for large samples), merged
-    by Ray with the job's ``runtime_env``."""
-    env = decode_env(decoded_sample_bytes(cfg.decode))
-    return {"runtime_env": {"env_vars": env}} if env else {}
+def decode_process_options(cfg: Config, placed: bool = True) -> dict[str, Any]:
+    """Ray options every decode process gets: ``decode.num_cpus``, ``decode.label_selector``
+    (``placed``; the ``process`` companion is pinned to its rank's node instead) and its
+    environment (:func:`ray_ingest.decode.memory.decode_env`: one malloc arena for large
+    samples), merged by Ray with the job's ``runtime_env``."""
+    dc = cfg.decode
+    opts: dict[str, Any] = {"num_cpus": dc.num_cpus}
+    if placed and dc.label_selector:
+        opts["label_selector"] = dict(dc.label_selector)
+    env = decode_env(decoded_sample_bytes(dc))
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    return opts
 
 
 #: The ItemDecoder of this task worker process (decode tasks run on reused workers).
@@ -146,27 +153,20 @@ class PoolExecution:
 
     # --- workers -------------------------------------------------------------------------
     def _actor_options(self) -> dict[str, Any]:
-        dc = self.cfg.decode
-        opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_restarts": -1,
-                                "max_task_retries": -1, **decode_process_options(self.cfg)}
-        if self.mode == "process":
+        companion = self.mode == "process"
+        opts: dict[str, Any] = {"max_restarts": -1, "max_task_retries": -1,
+                                **decode_process_options(self.cfg, placed=not companion)}
+        if companion:
             # the rank's companion: on the rank's node, its blocks through shared memory
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             opts["max_concurrency"] = self.threads
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)
-        elif dc.label_selector:
-            opts["label_selector"] = dict(dc.label_selector)
         return opts
 
     def _task_options(self) -> dict[str, Any]:
-        dc = self.cfg.decode
-        opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_retries": -1,
-                                **decode_process_options(self.cfg)}
-        if dc.label_selector:
-            opts["label_selector"] = dict(dc.label_selector)
-        return opts
+        return {"max_retries": -1, **decode_process_options(self.cfg)}
 
     def _start_worker(self) -> None:
         """A new actor; it takes items once it is up (see :meth:`_admit`)."""

@@ -222,12 +222,7 @@ class DecodeService:
             collections.deque()
 
     def _worker_options(self) -> dict[str, Any]:
-        dc = self.cfg.decode
-        opts: dict[str, Any] = {"num_cpus": dc.num_cpus, "max_restarts": -1,
-                                "max_task_retries": -1, **decode_process_options(self.cfg)}
-        if dc.label_selector:
-            opts["label_selector"] = dict(dc.label_selector)
-        return opts
+        return {"max_restarts": -1, "max_task_retries": -1, **decode_process_options(self.cfg)}
 
     # --- the ranks' calls ----------------------------------------------------------------
     async def join(self, client: str, rank: int, tags: dict[str, str]) -> dict[str, Any] | None:
