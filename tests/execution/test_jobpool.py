@@ -130,8 +130,8 @@ def test_a_worker_runs_its_queue_earliest_step_first(ray_local, dataset):
     worker = ray.remote(SharedDecodeWorker).options(num_cpus=0.25).remote(cfg)
     ray.get(worker.ready.remote())
 
-    def call(key, i):
-        return worker.decode.remote(key, 0, None, catalog.shard(items[i].sid), items[i])
+    def call(key, i):  # the blocks' ref (the first return only says the call ended)
+        return worker.decode.remote(key, 0, None, catalog.shard(items[i].sid), items[i])[1]
 
     first = call((0, 9), 0)  # runs at once; the others queue behind it
     time.sleep(0.05)
