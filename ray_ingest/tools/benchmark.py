@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import io
 import itertools
 import json
@@ -158,9 +159,18 @@ def _dataloader(root: str, res: int, batch: int, cores: int, epochs: int,
     pairs = list(zip(shard_urls(root, "image"), shard_urls(root, "caption"), strict=True))
     dl = tud.DataLoader(_TwinWds(pairs, res, BASELINE["resize"]), batch_size=batch,
                         num_workers=cores, persistent_workers=persistent, prefetch_factor=4)
-    for epoch in range(epochs):
-        for imgs, _caps in dl:
-            yield epoch, len(imgs)
+    # The workers are forked from a process with Ray up: an ObjectRef freed by a worker's
+    # garbage collector would write to the raylet over this process's sockets (seen once: the
+    # plasma store died on "Invalid Plasma message type"). Garbage collected here, the rest
+    # frozen, so no worker collects what it inherited.
+    gc.collect()
+    gc.freeze()
+    try:
+        for epoch in range(epochs):
+            for imgs, _caps in dl:
+                yield epoch, len(imgs)
+    finally:
+        gc.unfreeze()
 
 
 def run_wds_dl(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
