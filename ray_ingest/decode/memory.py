@@ -17,11 +17,13 @@ glibc, where the environment already sets ``MALLOC_MMAP_THRESHOLD_`` or
 That keeps the *main* arena's memory. A thread other than the main one allocates from an arena
 of its own, whose heaps (64 MB each) glibc unmaps as soon as they are empty, whatever the trim
 threshold: with a 4K sample's 12-33 MB buffers such heaps fill and empty every sample, and
-every page faults in afresh. The ``process`` companion decodes on Ray's threads and the decode
-actors on an executor thread: the companion took 977k page faults in 15 s at 4K. So the
-processes Ray starts to decode large samples get ``MALLOC_ARENA_MAX=1`` (:func:`decode_env`;
-glibc reads it once, at the process's start, hence Ray's ``runtime_env``): every thread then
-allocates from the main arena, whose memory is kept. No Ray, no torch.
+every page faults in afresh. The ``process`` companion decodes on Ray's threads: it took 977k
+page faults in 15 s at 4K. So a companion decoding large samples gets ``MALLOC_ARENA_MAX=1``
+(:func:`decode_env`; glibc reads it once, at the process's start, hence Ray's
+``runtime_env``): every thread then allocates from the main arena, whose memory is kept.
+Decode actors and tasks run their calls on their process's main thread and need no such
+environment (a process with one cannot be one that Ray prestarted: it starts ~1 s later).
+No Ray, no torch.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ ONE_ARENA_FROM_BYTES = 4 * 1024**2
 
 def decode_env(sample_bytes: int) -> dict[str, str]:
     """Environment variables for a process Ray starts to decode samples of ``sample_bytes``
-    decoded bytes: one malloc arena for large samples (see the module docstring).
+    decoded bytes on threads other than its main one (the ``process`` companion): one malloc
+    arena for large samples (see the module docstring).
 
     3840x2160 -> 2048², one rank, 2 cores: the ``process`` companion took 112 ms of CPU per
     sample instead of 125-126 and delivered 17.1-17.2 samples/s instead of 15.2-15.3. At 512 ->

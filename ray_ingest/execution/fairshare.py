@@ -1,4 +1,4 @@
-"""Fair shares of a job's decode pool: which call a shared decode worker runs next, and how
+"""Fair shares of a job's decode pool: which call the job's workers run next, and how
 many workers the job holds. No Ray, no torch.
 
 A data-parallel step waits for its slowest rank, so a job's decode capacity is worth what it
@@ -7,9 +7,9 @@ turns into *synchronous steps*. Two rules make the shared pool
 
 * **Earliest step first.** Every call carries the step its rows are for, :func:`step_key`:
   ``(epoch, stream position // batch_size)``, equal on every rank for the same step (every
-  rank of a job consumes the same positions of its own slot's stream at the same step). A
-  worker runs its queued calls lowest key first (:class:`PriorityGate`), so no rank's step k+1
-  is decoded before another rank's step k: ranks that are behind catch up instead of waiting
+  rank of a job consumes the same positions of its own slot's stream at the same step). The
+  controller hands its queue to the workers lowest key first, so no rank's step k+1 is
+  decoded before another rank's step k: ranks that are behind catch up instead of waiting
   for everyone else's look-ahead (docs/architecture.md, "The job's decode pool").
 * **Sized by demand** (:class:`Sizer`): grow while the ranks wait on data and the workers are
   busy; shrink to the busy CPUs plus headroom once the ranks have not waited for
@@ -18,13 +18,9 @@ turns into *synchronous steps*. Two rules make the shared pool
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import heapq
-import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
@@ -39,42 +35,6 @@ PER_WORKER = 2
 def step_key(item: ReadItem, batch_size: int) -> StepKey:
     """The step whose batch ``item``'s first row goes into: ``(epoch, seq // batch_size)``."""
     return (int(item.epoch), int(item.seq) // max(1, batch_size))
-
-
-class PriorityGate:
-    """At most ``slots`` holders at once (asyncio); waiters are let in lowest key first, ties in
-    arrival order. A waiter cancelled while queued leaves no trace; one cancelled just as it
-    was let in passes its slot on."""
-
-    def __init__(self, slots: int = 1):
-        self.free = max(1, slots)
-        self._heap: list[tuple[Any, int, asyncio.Future]] = []
-        self._arrival = itertools.count()
-
-    @property
-    def queued(self) -> int:
-        return sum(1 for _, _, f in self._heap if not f.done())
-
-    async def acquire(self, key: Any) -> None:
-        if self.free and not self.queued:
-            self.free -= 1
-            return
-        fut = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (key, next(self._arrival), fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # let in, then cancelled: pass it on
-                self.release()
-            raise
-
-    def release(self) -> None:
-        while self._heap:
-            _, _, fut = heapq.heappop(self._heap)
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self.free += 1
 
 
 @attrs.frozen

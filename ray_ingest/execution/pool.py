@@ -70,16 +70,21 @@ class DecodeWorker:
         return self.items(shard, item)
 
 
-def decode_process_options(cfg: Config, placed: bool = True) -> dict[str, Any]:
-    """Ray options every decode process gets: ``decode.num_cpus``, ``decode.label_selector``
-    (``placed``; the ``process`` companion is pinned to its rank's node instead) and its
-    environment (:func:`ray_ingest.decode.memory.decode_env`: one malloc arena for large
-    samples), merged by Ray with the job's ``runtime_env``."""
+def decode_process_options(cfg: Config, companion: bool = False) -> dict[str, Any]:
+    """Ray options every decode process gets: ``decode.num_cpus`` and ``decode.label_selector``
+    (the ``process`` companion is pinned to its rank's node instead).
+
+    The companion also gets its environment (:func:`ray_ingest.decode.memory.decode_env`: one
+    malloc arena for large samples, merged by Ray with the job's ``runtime_env``): it decodes
+    on Ray's threads, whose own arenas give freed memory back. Actors and tasks decode on
+    their process's main thread, whose arena keeps it, so they go without: a process with an
+    environment of its own cannot be one Ray prestarted (~1 s and ~0.4 CPU-s more to start,
+    docs/benchmarks.md)."""
     dc = cfg.decode
     opts: dict[str, Any] = {"num_cpus": dc.num_cpus}
-    if placed and dc.label_selector:
+    if not companion and dc.label_selector:
         opts["label_selector"] = dict(dc.label_selector)
-    env = decode_env(decoded_sample_bytes(dc))
+    env = decode_env(decoded_sample_bytes(dc)) if companion else {}
     if env:
         opts["runtime_env"] = {"env_vars": env}
     return opts
@@ -155,7 +160,7 @@ class PoolExecution:
     def _actor_options(self) -> dict[str, Any]:
         companion = self.mode == "process"
         opts: dict[str, Any] = {"max_restarts": -1, "max_task_retries": -1,
-                                **decode_process_options(self.cfg, placed=not companion)}
+                                **decode_process_options(self.cfg, companion)}
         if companion:
             # the rank's companion: on the rank's node, its blocks through shared memory
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

@@ -7,17 +7,16 @@ decode actors that every rank of a job draws from, and the controller that feeds
   earliest step first, :data:`~ray_ingest.execution.fairshare.PER_WORKER` per worker, least
   loaded first, answering each submit with the reference of the worker's result: the blocks go
   from the worker's node to the rank's through the object store, never through the
-  controller. Every :data:`CONTROL_S` it reads the workers' busy time and nodes, the ranks'
-  wait for results not decoded yet and rate of taking items (each reports them every
-  :data:`REPORT_S`) and the cluster's free CPUs, sizes the
-  pool (:class:`~ray_ingest.execution.fairshare.Sizer`), starts workers (one no node has room
+  controller. Every :data:`CONTROL_S` it reads the workers' busy time (each call's end says
+  how long it took) and nodes, the ranks' wait for results not decoded yet and rate of
+  taking items (each reports them every :data:`REPORT_S`) and the cluster's free CPUs, sizes
+  the pool (:class:`~ray_ingest.execution.fairshare.Sizer`), starts workers (one no node has room
   for stays pending: demand the autoscaler sees), retires workers (no more items, killed once
   empty), kills the workers of a dead node (their ranks submit those items again at once),
   exports the job's and each rank's target and busy decode CPUs as Ray metrics, and ends
   itself, with its workers, :data:`LINGER_S` after its last rank left.
 * :class:`SharedDecodeWorker`: a decode actor (``decode.num_cpus``, ``decode.label_selector``)
-  decoding one item at a time (the second it holds waits in a
-  :class:`~ray_ingest.execution.fairshare.PriorityGate`), counting its busy time per rank.
+  decoding one item at a time on its main thread (the second it holds queued behind it).
 
 The job's driver starts the controller before Ray Train starts the ranks (:func:`prestart`);
 otherwise the first rank does. The rank side (its ordered window, resubmits, stall checks) is
@@ -33,8 +32,8 @@ import hashlib
 import heapq
 import itertools
 import json
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -44,7 +43,6 @@ from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
 from ray_ingest.execution.fairshare import (
     PER_WORKER,
-    PriorityGate,
     Signals,
     Sizer,
     SizerSettings,
@@ -99,50 +97,41 @@ def service_name(cfg: Config, dataset: str, job: str | None = None) -> str:
 
 
 class SharedDecodeWorker:
-    """A decode actor of the job's pool (async: its calls queue in a priority gate, decoding
-    runs in one thread)."""
+    """A decode actor of the job's pool: a plain actor, so it decodes one call at a time on
+    its process's main thread, whose malloc arena keeps freed memory
+    (:mod:`ray_ingest.decode.memory`): it needs no environment of its own, so Ray can give it a
+    prestarted worker process. Which call runs next is the controller's decision: a worker
+    never holds more than :data:`~ray_ingest.execution.fairshare.PER_WORKER` (one running, one
+    queued behind it)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._decoders: dict[tuple, ItemDecoder] = {}
-        self._gate = PriorityGate(1)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ray_ingest-decode")
-        self.busy_s = 0.0
-        self.running = 0
-        self.by_rank: dict[int, float] = collections.defaultdict(float)
         self.node = ray.get_runtime_context().get_node_id()
+        #: Whether its last call ran on the main thread (what its memory depends on).
+        self.main_thread: bool | None = None
 
-    async def ready(self) -> str:
+    def ready(self) -> str:
         return self.node
 
     @ray.method(num_returns=2)
-    async def decode(self, key: tuple[int, int], rank: int, tags: dict[str, str] | None,
-                     shard: Shard, item: ReadItem) -> tuple[bool, list[dict]]:
-        """``(True, the item's blocks)``: two returns, so that the controller can await the
-        call's end on the first (a few bytes in its reply) and never fetch the blocks."""
-        await self._gate.acquire(key)
+    def decode(self, tags: dict[str, str] | None, shard: Shard,
+               item: ReadItem) -> tuple[float, list[dict]]:
+        """``(seconds it took, the item's blocks)``: two returns, so that the controller learns
+        the call's end and busy time from the first (a few bytes in its reply, at once) and
+        never fetches the blocks."""
         t0 = time.monotonic()
-        self.running += 1
-        try:
-            loop = asyncio.get_running_loop()
-            return True, await loop.run_in_executor(self._pool, self._decode, tags, shard, item)
-        finally:
-            dt = time.monotonic() - t0
-            self.running -= 1
-            self.busy_s += dt
-            self.by_rank[rank] += dt
-            self._gate.release()
-
-    def _decode(self, tags: dict[str, str] | None, shard: Shard, item: ReadItem) -> list[dict]:
+        self.main_thread = threading.current_thread() is threading.main_thread()
         k = tuple(sorted((tags or {}).items()))
         if k not in self._decoders:
             self._decoders[k] = ItemDecoder(self.cfg, tags)
-        return self._decoders[k](shard, item)
+        blocks = self._decoders[k](shard, item)
+        return time.monotonic() - t0, blocks
 
-    async def stats(self) -> dict[str, Any]:
-        """Busy seconds (cumulative, all and per rank), calls queued and running, its node."""
-        return {"busy_s": self.busy_s, "by_rank": dict(self.by_rank), "node": self.node,
-                "queued": self._gate.queued, "running": self.running}
+    def stats(self) -> dict[str, Any]:
+        """Its node (a restarted actor may be on another) and whether it decodes on its main
+        thread; answered between two calls."""
+        return {"node": self.node, "main_thread": self.main_thread}
 
 
 @attrs.define(eq=False)
@@ -226,7 +215,11 @@ class DecodeService:
             collections.deque()
 
     def _worker_options(self) -> dict[str, Any]:
-        return {"max_restarts": -1, "max_task_retries": -1, **decode_process_options(self.cfg)}
+        # out of order: a plain actor otherwise runs its calls by sequence number, and one
+        # cancelled before it arrived (a rank left) holds the calls behind it for 30 s; the
+        # order is still the order the calls arrive in, one at a time on the main thread
+        return {"max_restarts": -1, "max_task_retries": -1,
+                "allow_out_of_order_execution": True, **decode_process_options(self.cfg)}
 
     # --- the ranks' calls ----------------------------------------------------------------
     async def join(self, client: str, rank: int, tags: dict[str, str]) -> dict[str, Any] | None:
@@ -330,8 +323,7 @@ class DecodeService:
                 return  # a rank that just joined has not submitted its first step yet
             _, _, e = heapq.heappop(self.queue)
             r = self.ranks.get(e.client)
-            ended, e.ref = w.handle.decode.remote(e.key, e.rank, r.tags if r else None,
-                                                  e.shard, e.item)
+            ended, e.ref = w.handle.decode.remote(r.tags if r else None, e.shard, e.item)
             w.inflight.append(e)
             e.fut.set_result(e.ref)
             self.dispatched += 1
@@ -352,11 +344,16 @@ class DecodeService:
         return min(firsts) if firsts else None
 
     async def _ended(self, w: _Worker, e: _Entry, ended: Any) -> None:
-        """A call's end (decoded, failed, cancelled, its worker lost) frees its worker's place.
-        Awaited on the call's first return, a few bytes: no polling, and the blocks are never
-        fetched here (50 Hz ``ray.wait`` scans cost the controller ~10 % of a core)."""
-        with contextlib.suppress(Exception):  # a failure is the rank's to see and handle
-            await ended
+        """A call's end (decoded, failed, cancelled, its worker lost) frees its worker's place
+        and adds its busy time to the worker's and its rank's. Awaited on the call's first
+        return, a few bytes: no polling, and the blocks are never fetched here (50 Hz
+        ``ray.wait`` scans cost the controller ~25 % of its CPU)."""
+        try:
+            busy = float(await ended)
+        except Exception:  # failed, cancelled or lost: the rank's to see and handle
+            busy = 0.0
+        w.busy_s += busy
+        w.by_rank[e.rank] = w.by_rank.get(e.rank, 0.0) + busy
         self.completed += 1
         with contextlib.suppress(ValueError):
             w.inflight.remove(e)
@@ -433,22 +430,16 @@ class DecodeService:
                 self.lost += 1
                 self._forget(w)
                 continue
-            if st is None:  # restarting, or its node is gone: the node's state decides
-                continue
-            if st["busy_s"] < w.busy_s:  # restarted in place: its counters began again
-                self._forget_counters(w)
-            w.busy_s, w.by_rank, w.node = st["busy_s"], st["by_rank"], st["node"]
-
-    def _forget_counters(self, w: _Worker) -> None:
-        """Keep what a worker did in the job's totals (it ends, or its counters restart)."""
-        self.busy_total += w.busy_s
-        for rank, s in w.by_rank.items():
-            self._gone_by_rank[int(rank)] += s
-        w.busy_s, w.by_rank = 0.0, {}
+            if st is not None:  # None: restarting, or its node is gone (the node's state decides)
+                w.node = st["node"]
 
     def _forget(self, w: _Worker) -> None:
-        """Out of the pool (its calls in flight fail at their ranks, which resubmit them)."""
-        self._forget_counters(w)
+        """Out of the pool (its calls in flight fail at their ranks, which resubmit them); what
+        it did stays in the job's totals."""
+        self.busy_total += w.busy_s
+        for rank, s in w.by_rank.items():
+            self._gone_by_rank[rank] += s
+        w.busy_s, w.by_rank = 0.0, {}
         if w.stats is not None:
             w.stats.cancel()
         self.workers.pop(w.wid, None)

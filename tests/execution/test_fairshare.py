@@ -5,14 +5,12 @@ on busy workers, shrinks to the busy workers plus headroom once ranks stop waiti
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 
 import pytest
 
 from ray_ingest.execution.fairshare import (
-    PriorityGate,
     Signals,
     Sizer,
     SizerSettings,
@@ -33,53 +31,6 @@ def test_step_key_is_the_same_step_on_every_rank():
     a = step_key(ReadItem(seq=33, sid=1, start=0, count=8), 16)
     assert a == step_key(ReadItem(seq=33, sid=7, start=40, count=8), 16) == (0, 2)
     assert step_key(ReadItem(seq=0, sid=0, start=0, count=1, epoch=1), 16) > (0, 10**9)
-
-
-def _run_gate(keys, slots=1, cancel=()):
-    """Holders of a gate of ``slots``: the first ``slots`` arrive while it is free, the rest
-    queue; returns the order they were let in (cancelled waiters never are)."""
-    order = []
-
-    async def main():
-        gate = PriorityGate(slots)
-        release = asyncio.Event()
-
-        async def holder(key):
-            await gate.acquire(key)
-            order.append(key)
-            await release.wait()
-            gate.release()
-
-        tasks = []
-        for k in keys:
-            tasks.append(asyncio.ensure_future(holder(k)))
-            await asyncio.sleep(0)  # arrive in this order
-        assert gate.queued == len(keys) - slots
-        for i in cancel:
-            tasks[i].cancel()
-        await asyncio.sleep(0)
-        assert gate.queued == len(keys) - slots - len(cancel)
-        release.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        assert gate.free == slots and gate.queued == 0
-
-    asyncio.run(main())
-    return order
-
-
-def test_gate_lets_the_earliest_step_in_first_ties_in_arrival_order():
-    keys = [(0, 9), (0, 5), (1, 0), (0, 1), (0, 5), (0, 3)]
-    assert _run_gate(keys) == [(0, 9), (0, 1), (0, 3), (0, 5), (0, 5), (1, 0)]
-    assert _run_gate(keys, slots=2) == [(0, 9), (0, 5), (0, 1), (0, 3), (0, 5), (1, 0)]
-    # a cancelled waiter is skipped and the gate ends free
-    assert _run_gate(keys, cancel=(3,)) == [(0, 9), (0, 3), (0, 5), (0, 5), (1, 0)]
-
-
-def test_ties_keep_arrival_order_not_key_payload():
-    keys = [("x", 0)] + [("a", i) for i in (3, 1, 2)]
-    assert _run_gate(keys) == [("x", 0), ("a", 1), ("a", 2), ("a", 3)]
-    same = [(0, 0)] * 4
-    assert _run_gate(same) == same
 
 
 # --- sizing ------------------------------------------------------------------------------------

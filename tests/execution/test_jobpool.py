@@ -119,34 +119,42 @@ def _finish_order(refs: dict) -> list:
     return order
 
 
-def test_a_worker_runs_its_queue_earliest_step_first(ray_local, dataset):
+def test_a_worker_decodes_its_calls_one_at_a_time_on_its_main_thread(ray_local, dataset):
+    """In the order they came (the controller decides the order: it gives a worker at most two
+    calls), on the process's main thread (whose malloc arena keeps freed memory: no
+    environment of its own needed), a queued call cancelled; each call's first return is the
+    seconds it took (the controller's busy time)."""
     import ray
 
-    from ray_ingest.execution.service import SharedDecodeWorker
+    from ray_ingest.execution.service import DecodeService, SharedDecodeWorker
 
     cfg = _cfg(dataset, sim_cost_s=0.04)  # 5 rows: 0.2 s per item
     catalog = load_catalog([dataset])
     items = _items(cfg, catalog)
-    worker = ray.remote(SharedDecodeWorker).options(num_cpus=0.25).remote(cfg)
+    opts = DecodeService(cfg, 1, catalog.fingerprint)._worker_options()  # the pool's own
+    assert "runtime_env" not in opts
+    worker = ray.remote(SharedDecodeWorker).options(**{**opts, "num_cpus": 0.25}).remote(cfg)
     ray.get(worker.ready.remote())
 
-    def call(key, i):  # the blocks' ref (the first return only says the call ended)
-        return worker.decode.remote(key, 0, None, catalog.shard(items[i].sid), items[i])[1]
+    def call(i):
+        return worker.decode.remote(None, catalog.shard(items[i].sid), items[i])
 
-    first = call((0, 9), 0)  # runs at once; the others queue behind it
-    time.sleep(0.05)
-    refs = {call((0, 5), 1): (0, 5), call((1, 0), 2): (1, 0), call((0, 1), 3): (0, 1),
-            call((0, 3), 4): (0, 3)}
-    dropped = next(r for r, k in refs.items() if k == (0, 3))
-    ray.cancel(dropped)
-    refs.pop(dropped)
-    refs[first] = (0, 9)
-    assert _finish_order(refs) == [(0, 9), (0, 1), (0, 5), (1, 0)]
-    with pytest.raises(ray.exceptions.TaskCancelledError):
-        ray.get(dropped)
-    st = ray.get(worker.stats.remote())
-    assert (st["queued"], st["running"]) == (0, 0) and st["busy_s"] >= 4 * 0.2 * 0.9
-    assert set(st["by_rank"]) == {0}
+    t0 = time.monotonic()
+    calls = [call(i) for i in range(5)]
+    ended, dropped = calls[3]
+    ray.cancel(dropped)  # queued behind the others: never runs, and holds up no other call
+    refs = {blocks: i for i, (_, blocks) in enumerate(calls) if i != 3}
+    assert _finish_order(refs) == [0, 1, 2, 4]
+    assert time.monotonic() - t0 < 10  # 4 x 0.2 s of decoding; not Ray's 30-s wait for a gap
+    for i in (0, 1, 2, 4):
+        busy, blocks = ray.get(list(calls[i]))
+        assert 0.2 * 0.9 <= busy < 5.0
+        assert [int(x) for b in blocks for x in b[INDEX]] == list(
+            range(items[i].start, items[i].start + items[i].count))
+    for ref in (ended, dropped):
+        with pytest.raises(ray.exceptions.TaskCancelledError):
+            ray.get(ref)
+    assert ray.get(worker.stats.remote())["main_thread"] is True
     ray.kill(worker)
 
 

@@ -137,27 +137,22 @@ def test_close_ends_the_workers_mid_stream(ray_local, dataset):
             ray.get(h.ready.remote(), timeout=30)
 
 
-@pytest.mark.parametrize("mode", ["actors", "tasks", "process", "job"])
-def test_decode_processes_start_with_one_malloc_arena(ray_local, dataset, mode, monkeypatch):
-    """Every process decoding large samples is started with MALLOC_ARENA_MAX=1 (glibc reads it
-    once, at the process's start: Ray's runtime_env), merged with the job's environment; the
-    trainer's own processes, and those decoding small samples, are left alone."""
+def test_the_companion_decoding_large_samples_starts_with_one_malloc_arena(ray_local, dataset,
+                                                                          monkeypatch):
+    """The ``process`` companion decodes on Ray's threads: decoding large samples, it is started
+    with MALLOC_ARENA_MAX=1 (glibc reads it once, at the process's start: Ray's runtime_env),
+    merged with the job's environment; the operator's setting wins, small samples keep
+    glibc's arenas, and the trainer's own processes are left alone."""
     import os
 
     import ray
 
-    from ray_ingest.execution.service import DecodeService
-
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     monkeypatch.delenv("RAY_INGEST_KEEP_FREED_MEMORY", raising=False)
     # resolution 2048: a decoded sample of 12 MB, large enough for one arena
-    cfg = _cfg(dataset, compute="actors" if mode == "job" else mode, threads=2, resolution=2048)
+    cfg = _cfg(dataset, compute="process", threads=2, resolution=2048)
     catalog = load_catalog([dataset])
-    if mode == "job":
-        opts = DecodeService(cfg, 1, catalog.fingerprint)._worker_options()
-    else:
-        ex = PoolExecution(cfg, catalog, _items(cfg, catalog), threads=2)
-        opts = ex._task_options() if mode == "tasks" else ex._actor_options()
+    opts = PoolExecution(cfg, catalog, _items(cfg, catalog), threads=2)._actor_options()
 
     @ray.remote(num_cpus=0.01)
     def env() -> tuple[str | None, str | None]:
@@ -167,9 +162,45 @@ def test_decode_processes_start_with_one_malloc_arena(ray_local, dataset, mode, 
     assert arena == "1" and path  # merged with, not instead of, the job's environment
     assert ray.get(env.remote())[0] is None
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # the operator's choice wins
-    assert "runtime_env" not in (DecodeService(cfg, 1, catalog.fingerprint)._worker_options()
-                                 if mode == "job" else
-                                 PoolExecution(cfg, catalog, [], threads=2)._actor_options())
+    assert "runtime_env" not in PoolExecution(cfg, catalog, [], threads=2)._actor_options()
     monkeypatch.delenv("MALLOC_ARENA_MAX")
-    small = _cfg(dataset, compute="actors", threads=2)  # 16x16 samples keep glibc's arenas
+    small = _cfg(dataset, compute="process", threads=2)  # 16x16 samples keep glibc's arenas
     assert "runtime_env" not in PoolExecution(small, catalog, [], threads=2)._actor_options()
+
+
+@pytest.mark.parametrize("mode", ["actors", "tasks", "job"])
+def test_actors_and_tasks_decode_on_their_main_thread_without_an_environment(
+        ray_local, dataset, mode, monkeypatch):
+    """Decode actors and tasks run their calls on their process's main thread, whose malloc
+    arena keeps freed memory even for large samples: no environment of their own, so Ray may
+    give them processes it prestarted."""
+    import threading
+
+    import ray
+
+    from ray_ingest.execution.service import DecodeService
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("RAY_INGEST_KEEP_FREED_MEMORY", raising=False)
+    cfg = _cfg(dataset, compute="actors" if mode == "job" else mode, threads=2, resolution=2048)
+    catalog = load_catalog([dataset])
+    if mode == "job":
+        opts = DecodeService(cfg, 1, catalog.fingerprint)._worker_options()
+    else:
+        ex = PoolExecution(cfg, catalog, _items(cfg, catalog), threads=2)
+        opts = ex._task_options() if mode == "tasks" else ex._actor_options()
+    assert "runtime_env" not in opts
+
+    def on_main() -> bool:
+        return threading.current_thread() is threading.main_thread()
+
+    if mode == "tasks":
+        assert ray.get(ray.remote(on_main).options(**opts).remote())
+    else:  # the worker itself, asked through Ray's hook for a call of the caller's own
+        from ray_ingest.execution.pool import DecodeWorker
+        from ray_ingest.execution.service import SharedDecodeWorker
+
+        cls, args = (SharedDecodeWorker, (cfg,)) if mode == "job" else (DecodeWorker, (cfg, None))
+        handle = ray.remote(cls).options(**opts).remote(*args)
+        assert ray.get(handle.__ray_call__.remote(lambda self: on_main()))
+        ray.kill(handle)
