@@ -14,7 +14,8 @@ have. No Ray, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -31,6 +32,7 @@ Block = dict[str, np.ndarray]
 #: ``__actor__`` of the rows the head decoded (not a decode actor of the pool).
 HEAD_ACTOR = "head-start"
 HEAD_THREAD = "ray_ingest-head"
+START_THREAD = "ray_ingest-start"
 
 
 def split_head(items: Sequence[ReadItem], rows: int) -> tuple[list[ReadItem], list[ReadItem]]:
@@ -56,6 +58,8 @@ class HeadStart:
         self._local, self._remote = local, remote
         self._head = Handoff(self._marked(), None, ahead=True, name=HEAD_THREAD)
         self._started = False
+        self._starting: threading.Thread | None = None
+        self._start_error: BaseException | None = None
         #: Rows the head delivered.
         self.head_rows = 0
 
@@ -65,14 +69,32 @@ class HeadStart:
             yield block
 
     def start(self) -> None:
-        """Start both: the head decodes its first block, the remote execution starts."""
+        """Start both: the head decodes its first block, the remote execution starts in a
+        helper thread (the job pool's start waits for its controller's answer, ~1 s on a busy
+        node when the controller is new: the head's blocks need not wait for it)."""
         if self._started:
             return
         self._started = True
         self._head.prime()
         start = getattr(self._remote, "start", None)
         if start is not None:
+            self._starting = threading.Thread(target=self._start_remote, args=(start,),
+                                              name=START_THREAD, daemon=True)
+            self._starting.start()
+
+    def _start_remote(self, start: Callable[[], None]) -> None:
+        try:
             start()
+        except BaseException as exc:  # raised in the consumer's thread (_remote_started)
+            self._start_error = exc
+
+    def _remote_started(self) -> None:
+        """Wait for the remote's start to finish; its error, if any, raised here."""
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        if self._start_error is not None:
+            raise self._start_error
 
     def blocks(self) -> Iterator[Block]:
         self.start()
@@ -80,6 +102,7 @@ class HeadStart:
             self.head_rows += len(block[SEQ])
             yield block
         if self._remote is not None:
+            self._remote_started()
             yield from self._remote.blocks()
 
     def stats(self) -> str | None:
@@ -90,5 +113,7 @@ class HeadStart:
     def close(self) -> None:
         self._local.close()
         self._head.close()
+        if self._starting is not None:  # closed while the remote starts: let it finish first
+            self._starting.join()
         if self._remote is not None:
             self._remote.close()

@@ -112,6 +112,49 @@ def test_head_then_remote_deliver_the_executions_rows_in_order(setup, rows, dela
     hs.close()
 
 
+class SlowStart(Delayed):
+    """Starts in ``start_s`` seconds (the job pool's join of a new controller); its start
+    raises ``fail`` if given."""
+
+    def __init__(self, inner: LocalExecution, start_s: float, fail: Exception | None = None):
+        super().__init__(inner, 0.0)
+        self.start_s, self.fail, self.started_at = start_s, fail, None
+
+    def start(self) -> None:
+        time.sleep(self.start_s)
+        if self.fail is not None:
+            raise self.fail
+        self.started_at = time.monotonic()
+
+
+def test_the_head_does_not_wait_for_the_remote_s_start(setup):
+    cfg, catalog, items = setup
+    want = _rows(LocalExecution(cfg, catalog, items).blocks())
+    head, rest = split_head(items, 16)
+    remote = SlowStart(LocalExecution(cfg, catalog, rest), 1.0)
+    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    t0 = time.monotonic()
+    hs.start()
+    assert time.monotonic() - t0 < 0.5  # the start goes on in a helper thread
+    blocks = hs.blocks()
+    first = next(blocks)
+    assert remote.started_at is None and time.monotonic() - t0 < 1.0
+    got = [first, *blocks]
+    assert remote.started_at is not None and _rows(got) == want
+    hs.close()
+
+    # a failed start is raised in the consumer's thread, after the head's rows
+    remote = SlowStart(LocalExecution(cfg, catalog, rest), 0.2,
+                       fail=IngestError("decode pool: controller did not answer"))
+    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    seen = []
+    with pytest.raises(IngestError, match="did not answer"):
+        for b in hs.blocks():
+            seen += b[SEQ].tolist()
+    assert len(seen) == sum(it.count for it in head)
+    hs.close()
+
+
 def test_errors_of_either_part_surface(setup):
     cfg, catalog, items = setup
     head, rest = split_head(items, 16)
