@@ -1,6 +1,7 @@
 """The job's shared decode pool (ray_ingest/execution/service.py, jobpool.py) on the session Ray:
 two ranks draw from one pool and each gets exactly its in-process rows in stream order; a
-worker runs its queue earliest step first and drops a cancelled call; a trainer-bound rank's
+worker decodes its calls one at a time on its main thread and drops a cancelled one; the
+controller hands out the earliest step first across ranks; a trainer-bound rank's
 pool shrinks to what it keeps busy (long before it is idle), and the job's and the rank's
 decode CPUs reach the metrics endpoint; a worker killed mid-stream costs nothing but a
 resubmit; the controller ends once no rank uses it."""
