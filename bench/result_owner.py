@@ -18,21 +18,18 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ray_ingest.tools.cpu_roles import read_proc  # noqa: E402
 
 
 def cpu_seconds() -> float:
     """CPU seconds (user + system) of every process now running."""
-    hz, total = os.sysconf("SC_CLK_TCK"), 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rpartition(")")[2].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])
-    return total / hz
+    procs = (read_proc(int(pid), cmd=False) for pid in os.listdir("/proc") if pid.isdigit())
+    return sum(p.cpu_s for p in procs if p is not None)
 
 
 def main() -> None:

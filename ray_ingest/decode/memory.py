@@ -45,11 +45,19 @@ MMAP_THRESHOLD = 32 * 1024**2
 TRIM_THRESHOLD = 1024**3
 
 
+#: Set to ``0``: glibc's own malloc behaviour throughout (no mallopt, no one-arena environment).
+OPT_OUT_ENV = "RAY_INGEST_KEEP_FREED_MEMORY"
+
+
+def _left_alone(*variables: str) -> bool:
+    """Whether the operator chose: one of ``variables`` set, or the opt-out."""
+    return any(v in os.environ for v in variables) or os.environ.get(OPT_OUT_ENV) == "0"
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Tune this process's malloc as the module docstring says; True when it was applied."""
-    if (any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
-            or os.environ.get("RAY_INGEST_KEEP_FREED_MEMORY") == "0"):
+    if _left_alone("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -85,7 +93,6 @@ def decode_env(sample_bytes: int) -> dict[str, str]:
     arenas. Empty also where this process's environment sets ``MALLOC_ARENA_MAX`` (the
     operator's choice wins) or ``RAY_INGEST_KEEP_FREED_MEMORY=0``.
     """
-    if (sample_bytes < ONE_ARENA_FROM_BYTES or ARENA_MAX_ENV in os.environ
-            or os.environ.get("RAY_INGEST_KEEP_FREED_MEMORY") == "0"):
+    if sample_bytes < ONE_ARENA_FROM_BYTES or _left_alone(ARENA_MAX_ENV):
         return {}
     return {ARENA_MAX_ENV: "1"}
