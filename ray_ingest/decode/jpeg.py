@@ -85,10 +85,13 @@ def _maybe_multi_picture(data: bytes) -> bool:
     return True
 
 
-def decode(data: bytes, hdr: Header, scale: int, max_pixels: int | None) -> np.ndarray | None:
+def decode(data: bytes, hdr: Header, scale: int, max_pixels: int | None,
+           padded: bool = False) -> np.ndarray | None:
     """uint8 RGB (H, W, 3) at DCT reduction ``scale``, the pixels ``Image.open(data)`` +
     ``draft`` + ``load`` + ``convert("RGB")`` give; None where this path does not apply (then use
-    Pillow's, which raises what it raises)."""
+    Pillow's, which raises what it raises). ``padded``: (H, W, 4), each pixel followed by a byte
+    of no meaning, the layout Pillow keeps an RGB image in (so it maps the array, uncopied:
+    ``ray_ingest.decode.decoder``); libjpeg-turbo writes it as fast."""
     w, h = hdr.size
     if not hdr.simple or (max_pixels is not None and w * h > max_pixels):
         return None
@@ -97,11 +100,12 @@ def decode(data: bytes, hdr: Header, scale: int, max_pixels: int | None) -> np.n
                       _ambiguous(hdr.size, (out_w, out_h), 8 // scale)):
         return None
     try:
-        img = simplejpeg.decode_jpeg(data, "RGB", min_height=out_h if scale > 1 else 0,
+        img = simplejpeg.decode_jpeg(data, "RGBX" if padded else "RGB",
+                                     min_height=out_h if scale > 1 else 0,
                                      min_width=out_w if scale > 1 else 0, strict=True)
     except (ValueError, RuntimeError):
         return None
-    if img.shape != (out_h, out_w, 3):  # not the reduction Pillow uses: its path
+    if img.shape != (out_h, out_w, 4 if padded else 3):  # not Pillow's reduction: its path
         return None
     return img
 

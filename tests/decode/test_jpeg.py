@@ -180,3 +180,47 @@ def test_the_decoder_gives_the_same_rows_and_errors_with_and_without_it(monkeypa
         assert np.array_equal(fast[col], slow[col]) or col == "__t_decode__", col
     assert "truncated" in str(fast["__error__"][8])
     assert not any(fast["__error__"][i] for i in (0, 9, 10))
+
+
+def test_a_padded_decode_is_the_rgb_decode_with_a_fourth_byte():
+    rnd = random.Random(1)
+    taken = 0
+    for i in range(30):
+        img = _image(rnd.randint(16, 500), rnd.randint(16, 500), i)
+        if i % 5 == 0:
+            img = img.convert("L")
+        data = _jpeg(img, **SAVES[i % len(SAVES)])
+        hdr = jpeg.header(data)
+        for scale in (1, 2):
+            rgb = jpeg.decode(data, hdr, scale, None)
+            padded = jpeg.decode(data, hdr, scale, None, True)
+            if rgb is None:
+                assert padded is None
+                continue
+            taken += 1
+            assert padded.shape == (*rgb.shape[:2], 4) and padded.dtype == np.uint8
+            assert np.array_equal(padded[..., :3], rgb), (i, scale)
+    assert taken >= 50
+
+
+@pytest.mark.parametrize("crop", ["center", "random"])
+def test_mapped_padded_decodes_render_the_same_bytes(monkeypatch, crop):
+    """Pillow maps a padded decode (Image.fromarrow) where a resize follows: the rows are those
+    of the RGB decode copied into a Pillow image, grey JPEGs, DCT scales and flips included."""
+    from ray_ingest.decode import decoder as decoder_module
+
+    if not decoder_module._MAPS_PADDED:
+        pytest.skip("Pillow < 11.2: no Image.fromarrow, padded decodes are not taken")
+    datas = [_jpeg(_image(200 + 97 * i, 150 + 61 * i, i), **SAVES[i % len(SAVES)])
+             for i in range(10)]
+    datas.append(_jpeg(_image(300, 180, 11).convert("L")))
+    dec = Decoder(DecodeConfig(resolution=96, crop=crop, flip=crop == "random"), seed=5)
+    padded = []
+    real = jpeg.decode
+    monkeypatch.setattr(jpeg, "decode", lambda *a: padded.append(a[4:] == (True,)) or real(*a))
+    mapped = dec(_rows(datas))
+    assert sum(padded) >= 8  # most samples resize after the decode
+    monkeypatch.setattr(decoder_module, "_MAPS_PADDED", False)
+    copied = dec(_rows(datas))
+    for col in mapped:
+        assert np.array_equal(mapped[col], copied[col]) or col == "__t_decode__", col
