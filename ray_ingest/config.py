@@ -150,14 +150,15 @@ class DecodeConfig:
     #: What decodes: ``actors``, an elastic pool of pool_min..pool_max decode actors of the
     #: rank's own (Ray core: execution/pool.py; with ``loader.fused_read: false``, Ray Data read
     #: tasks feeding a Ray Data actor pool); ``tasks``, one Ray task per read item on reused
-    #: worker processes, at most 2 x pool_max in flight; ``process``, one companion actor on the
-    #: rank's node decoding on ``threads`` threads (decode off the trainer's process); ``threads``,
-    #: ``threads`` threads of the rank's own process (no Ray); ``auto``, threads on a small
-    #: single-node cluster, actors otherwise (:func:`ray_ingest.execution.threads.resolve_compute`).
+    #: worker processes, at most 2 x pool_max in flight; ``process``, ``threads`` companion
+    #: actors on the rank's node, one decoder each (decode off the trainer's process);
+    #: ``threads``, ``threads`` threads of the rank's own process (no Ray); ``auto``, process on
+    #: a small single-node cluster, actors on larger ones, threads without a running Ray
+    #: (:func:`ray_ingest.execution.threads.resolve_compute`).
     compute: str = attrs.field(default="auto", validator=_one_of(COMPUTE_MODES))
-    #: Decode threads of ``compute: threads`` and ``process`` (None: the cores this process
-    #: may use, shared by the node's decoding pipelines; twice them for ``threads``, where a
-    #: thread waiting for the GIL leaves its core to another).
+    #: Decode threads of ``compute: threads``, companions of ``process`` (None: the cores this
+    #: process may use, shared by the node's decoding pipelines; twice them for ``threads``,
+    #: where a thread waiting for the GIL leaves its core to another).
     threads: int | None = attrs.field(default=None, validator=_opt_at_least(1))
     #: ``compute: auto`` decodes in threads on a one-node cluster whose node (as this process
     #: sees it) has at most this many cores, where decode actors cost more than they add.

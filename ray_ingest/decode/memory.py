@@ -17,13 +17,10 @@ glibc, where the environment already sets ``MALLOC_MMAP_THRESHOLD_`` or
 That keeps the *main* arena's memory. A thread other than the main one allocates from an arena
 of its own, whose heaps (64 MB each) glibc unmaps as soon as they are empty, whatever the trim
 threshold: with a 4K sample's 12-33 MB buffers such heaps fill and empty every sample, and
-every page faults in afresh. The ``process`` companion decodes on Ray's threads: it took 977k
-page faults in 15 s at 4K. So a companion decoding large samples gets ``MALLOC_ARENA_MAX=1``
-(:func:`decode_env`; glibc reads it once, at the process's start, hence Ray's
-``runtime_env``): every thread then allocates from the main arena, whose memory is kept.
-Decode actors and tasks run their calls on their process's main thread and need no such
-environment (a process with one cannot be one that Ray prestarted: it starts ~1 s later).
-No Ray, no torch.
+every page faults in afresh (a companion decoding 4K on two threads took 977k page faults in
+15 s). So every decode process Ray runs decodes on its main thread (actors, tasks, the
+``process`` companions); ``decode.compute: threads`` decodes on the trainer's threads and keeps
+glibc's arenas there (the trainer's environment is the user's). No Ray, no torch.
 """
 
 from __future__ import annotations
@@ -72,27 +69,3 @@ def keep_freed_memory() -> bool:
         gnu.restype = ctypes.c_char_p
         log.debug("mallopt refused on glibc %s", gnu().decode())
     return ok
-
-
-#: glibc's variable for the most malloc arenas a process makes (read at the process's start).
-ARENA_MAX_ENV = "MALLOC_ARENA_MAX"
-#: Decoded samples from this size up get one arena: measured to help at 12.6 MB (2048² RGB),
-#: to hurt at 196 KB (256² RGB: the decode threads then contend for one arena's lock).
-ONE_ARENA_FROM_BYTES = 4 * 1024**2
-
-
-def decode_env(sample_bytes: int) -> dict[str, str]:
-    """Environment variables for a process Ray starts to decode samples of ``sample_bytes``
-    decoded bytes on threads other than its main one (the ``process`` companion): one malloc
-    arena for large samples (see the module docstring).
-
-    3840x2160 -> 2048², one rank, 2 cores: the ``process`` companion took 112 ms of CPU per
-    sample instead of 125-126 and delivered 17.1-17.2 samples/s instead of 15.2-15.3. At 512 ->
-    256 px the same setting cost its decode process 2.78 instead of 2.35 ms per sample (many
-    small allocations from two threads on one arena's lock), so small samples keep glibc's
-    arenas. Empty also where this process's environment sets ``MALLOC_ARENA_MAX`` (the
-    operator's choice wins) or ``RAY_INGEST_KEEP_FREED_MEMORY=0``.
-    """
-    if sample_bytes < ONE_ARENA_FROM_BYTES or _left_alone(ARENA_MAX_ENV):
-        return {}
-    return {ARENA_MAX_ENV: "1"}

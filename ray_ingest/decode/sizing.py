@@ -10,7 +10,7 @@ Where the decoded blocks of one rank sit at once:
   running, one queued), and a finished call's blocks stay in the plasma store of the actor's
   node until the rank takes them, in stream order: ``A × T × block`` for ``A`` actors (an item
   of several blocks holds more), within the rank's window of calls in flight (2 ×
-  ``pool_max``, 2 × its threads for the ``process`` companion, lowered by
+  ``pool_max``, 2 × its companions in ``process`` mode, lowered by
   ``loader.object_store_limit``). With ``loader.fused_read: false``,
   Ray Data 2.60 also sends ``T`` tasks to an actor (``max_tasks_in_flight_per_actor``:
   ``max_concurrency`` 1 × factor 2), plus the decode operator's output queue (in ordered mode

@@ -17,9 +17,12 @@ other execution, so the rows are the same bit for bit.
   (``max_restarts``/``max_task_retries``); one gone for good has its items resubmitted.
 * ``tasks``: one Ray task per item on the nodes' reused worker processes, at most
   ``2 × pool_max`` in flight (Ray runs as many at once as the CPUs allow).
-* ``process``: one companion actor per rank on the rank's own node, decoding on
-  ``decode.threads`` threads (SPDL's multi-threading in a subprocess): decode off the
-  trainer's process and cores, batches over the node's shared memory.
+* ``process``: ``decode.threads`` companion actors per rank on the rank's own node, each
+  decoding one item at a time on its main thread: decode off the trainer's process and cores,
+  batches over the node's shared memory, no pool to size. (One companion decoding on several
+  threads, SPDL's way, held the GIL against itself: its two threads were idle ~5 % of the time
+  at 512 px, 1.90 cores busy against 1.95–1.96 for two single-threaded decoders, which also
+  spent ~2 % less CPU per sample: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import ray
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
-from ray_ingest.decode.memory import decode_env
 from ray_ingest.decode.sizing import block_rows, decoded_sample_bytes
 from ray_ingest.errors import IngestError, StallError
 from ray_ingest.execution.fairshare import PER_WORKER
@@ -57,8 +59,8 @@ POLL_S = 0.1
 
 
 class DecodeWorker:
-    """A decode actor (or a ``process`` mode companion with several threads): reads and
-    decodes the items it is given, returns their blocks."""
+    """A decode actor (or a ``process`` mode companion): reads and decodes the items it is
+    given, one at a time on its main thread, and returns their blocks."""
 
     def __init__(self, cfg: Config, metric_tags: dict[str, str] | None = None):
         self.items = ItemDecoder(cfg, metric_tags)
@@ -72,21 +74,16 @@ class DecodeWorker:
 
 def decode_process_options(cfg: Config, companion: bool = False) -> dict[str, Any]:
     """Ray options every decode process gets: ``decode.num_cpus`` and ``decode.label_selector``
-    (the ``process`` companion is pinned to its rank's node instead).
+    (the ``process`` companions are pinned to their rank's node instead).
 
-    The companion also gets its environment (:func:`ray_ingest.decode.memory.decode_env`: one
-    malloc arena for large samples, merged by Ray with the job's ``runtime_env``): it decodes
-    on Ray's threads, whose own arenas give freed memory back. Actors and tasks decode on
-    their process's main thread, whose arena keeps it, so they go without: a process with an
-    environment of its own cannot be one Ray prestarted (~1 s and ~0.4 CPU-s more to start,
+    No ``runtime_env``: every decode process decodes on its main thread, whose malloc arena
+    keeps freed memory (:mod:`ray_ingest.decode.memory`), and a process with an environment
+    of its own cannot be one Ray prestarted (~1 s and ~0.4 CPU-s more to start,
     docs/benchmarks.md)."""
     dc = cfg.decode
     opts: dict[str, Any] = {"num_cpus": dc.num_cpus}
     if not companion and dc.label_selector:
         opts["label_selector"] = dict(dc.label_selector)
-    env = decode_env(decoded_sample_bytes(dc)) if companion else {}
-    if env:
-        opts["runtime_env"] = {"env_vars": env}
     return opts
 
 
@@ -127,7 +124,7 @@ class PoolExecution:
         items: the rank's planned read items, in stream order.
         metric_tags: the rank's Ray metric tags.
         rank: for messages.
-        threads: decode threads of the ``process`` companion.
+        threads: companions of the ``process`` mode.
     """
 
     def __init__(self, cfg: Config, catalog: Catalog, items: Sequence[ReadItem],
@@ -139,13 +136,11 @@ class PoolExecution:
                              f"{POOL_MODES}")
         self.items = collections.deque(it for it in items if it.count > 0)
         self.metric_tags = metric_tags
-        self.threads = threads
         dc = cfg.decode
-        self.min_workers = 1 if self.mode == "process" else dc.pool_min
-        self.max_workers = 1 if self.mode == "process" else dc.pool_max
-        per = PER_WORKER * (threads if self.mode == "process" else 1)
-        self.per_worker = per
-        self.window = _window_limit(cfg, self.max_workers * per)
+        self.min_workers = threads if self.mode == "process" else dc.pool_min
+        self.max_workers = threads if self.mode == "process" else dc.pool_max
+        self.per_worker = PER_WORKER
+        self.window = _window_limit(cfg, self.max_workers * PER_WORKER)
         self.workers: list[_Worker] = []
         self._starting: dict[Any, Any] = {}  # ready ref -> actor handle
         self._calls: collections.deque[_Call] = collections.deque()
@@ -162,10 +157,9 @@ class PoolExecution:
         opts: dict[str, Any] = {"max_restarts": -1, "max_task_retries": -1,
                                 **decode_process_options(self.cfg, companion)}
         if companion:
-            # the rank's companion: on the rank's node, its blocks through shared memory
+            # the rank's companions: on the rank's node, their blocks through shared memory
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            opts["max_concurrency"] = self.threads
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 ray.get_runtime_context().get_node_id(), soft=False)
         return opts

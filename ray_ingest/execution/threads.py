@@ -51,8 +51,8 @@ def decode_threads(dc: DecodeConfig, node_pipelines: int = 1) -> int:
     """``decode.threads``, or the usable cores shared by the ``node_pipelines`` pipelines that
     decode on this node (several ranks on one node must not each assume they own it), at least
     one: twice them in the trainer's own process (``threads``: a thread waiting for the GIL
-    leaves its core to the trainer's), once in a companion process (``process``: more threads
-    only contend for its GIL). Both measured: docs/benchmarks.md."""
+    leaves its core to the trainer's), once as ``process`` companions (one decoder each).
+    Both measured: docs/benchmarks.md."""
     per_core = 1 if dc.compute == "process" else 2
     return dc.threads or max(1, per_core * usable_cores() // max(1, node_pipelines))
 
@@ -66,8 +66,8 @@ def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:
         nodes: alive nodes of the Ray cluster (None: no Ray running, this machine alone).
         cores: cores this process may use (:func:`usable_cores`).
 
-    On a small one-node cluster (at most ``decode.small_node_cores`` cores) ``process``: one
-    companion process per rank on its node, no object-store hop to another node and no pool
+    On a small one-node cluster (at most ``decode.small_node_cores`` cores) ``process``: the
+    rank's companion processes on its node, no object-store hop to another node and no pool
     start-up per actor, and the trainer's step keeps its cores and its GIL (threads in the
     trainer slowed a train step 1.64× against 1.05× for ``process``, docs/benchmarks.md).
     Elsewhere (more nodes, a larger node, or a label selector naming decode nodes) ``actors``:
@@ -85,7 +85,7 @@ def resolve_compute(dc: DecodeConfig, nodes: int | None, cores: int) -> str:
 #: What each resolved ``decode.compute`` means, in words (the job says it once per run).
 COMPUTE_WORDS = {
     "threads": "decode threads inside the trainer's process (no Ray running)",
-    "process": "one companion decode process per rank on its own node, off the trainer's "
+    "process": "companion decode processes on each rank's own node, off the trainer's "
                "process",
     "actors": "decode actors off the trainer's process",
     "tasks": "Ray tasks off the trainer's process, one per read item",
@@ -99,7 +99,9 @@ def describe_compute(compute: str, threads: int = 1, scope: str = "job") -> str:
     if compute == "actors":
         words = ("the job's shared, elastic pool of " if scope == "job"
                  else "each rank's own elastic pool of ") + words
-    if compute in ("process", "threads"):
+    if compute == "process":
+        words += f", {threads} per rank"
+    elif compute == "threads":
         words += f", {threads} decode thread{'s' if threads != 1 else ''}"
     return f"{compute}: {words}"
 

@@ -1,29 +1,35 @@
-"""Decoding processes keep freed memory: the malloc settings and the environment Ray starts
-decode processes with (ray_ingest/decode/memory.py)."""
+"""Decoding processes keep freed memory (ray_ingest/decode/memory.py): glibc's malloc told to
+keep its heap once per process, unless the operator chose otherwise. (Where decode runs, on
+the main thread of every decode process Ray starts: tests/execution/test_pool.py.)"""
 
 from __future__ import annotations
 
-from ray_ingest.decode.memory import ARENA_MAX_ENV, ONE_ARENA_FROM_BYTES, decode_env
+import platform
 
-#: A decoded 2048x2048 RGB sample (4K to 2048), and a 256x256 one.
-LARGE, SMALL = 2048 * 2048 * 3, 256 * 256 * 3
+import pytest
 
+from ray_ingest.decode import memory
 
-def test_processes_decoding_large_samples_get_one_malloc_arena(monkeypatch):
-    monkeypatch.delenv(ARENA_MAX_ENV, raising=False)
-    monkeypatch.delenv("RAY_INGEST_KEEP_FREED_MEMORY", raising=False)
-    assert decode_env(LARGE) == {"MALLOC_ARENA_MAX": "1"}
-    assert decode_env(ONE_ARENA_FROM_BYTES) == {"MALLOC_ARENA_MAX": "1"}
-    # small samples keep glibc's arenas (one arena's lock cost more than it saved at 256²)
-    assert decode_env(SMALL) == {} and decode_env(ONE_ARENA_FROM_BYTES - 1) == {}
+CHOICES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", memory.OPT_OUT_ENV)
 
 
-def test_the_operator_s_arena_setting_wins(monkeypatch):
-    monkeypatch.setenv(ARENA_MAX_ENV, "4")
-    assert decode_env(LARGE) == {}
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    for var in CHOICES:
+        monkeypatch.delenv(var, raising=False)
+    memory.keep_freed_memory.cache_clear()
+    yield
+    memory.keep_freed_memory.cache_clear()
 
 
-def test_glibc_s_own_behaviour_on_request(monkeypatch):
-    monkeypatch.delenv(ARENA_MAX_ENV, raising=False)
-    monkeypatch.setenv("RAY_INGEST_KEEP_FREED_MEMORY", "0")
-    assert decode_env(LARGE) == {}
+def test_glibc_is_told_to_keep_freed_memory():
+    on_glibc = platform.libc_ver()[0] == "glibc"
+    assert memory.keep_freed_memory() is on_glibc
+
+
+@pytest.mark.parametrize("var, value", [("MALLOC_TRIM_THRESHOLD_", "0"),
+                                        ("MALLOC_MMAP_THRESHOLD_", "65536"),
+                                        (memory.OPT_OUT_ENV, "0")])
+def test_the_operator_s_choice_wins(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    assert memory.keep_freed_memory() is False

@@ -70,7 +70,7 @@ def test_pool_delivers_the_in_process_rows_in_order(ray_local, dataset, mode):
     if mode == "tasks":
         assert all(a.startswith("task-worker:") for a in workers)
     else:
-        assert len(workers) <= (1 if mode == "process" else 2) and "local" not in workers
+        assert len(workers) <= 2 and "local" not in workers
     assert f"{mode}: {len(items)} read items decoded" in ex.stats()
 
 
@@ -137,43 +137,13 @@ def test_close_ends_the_workers_mid_stream(ray_local, dataset):
             ray.get(h.ready.remote(), timeout=30)
 
 
-def test_the_companion_decoding_large_samples_starts_with_one_malloc_arena(ray_local, dataset,
-                                                                          monkeypatch):
-    """The ``process`` companion decodes on Ray's threads: decoding large samples, it is started
-    with MALLOC_ARENA_MAX=1 (glibc reads it once, at the process's start: Ray's runtime_env),
-    merged with the job's environment; the operator's setting wins, small samples keep
-    glibc's arenas, and the trainer's own processes are left alone."""
-    import os
-
-    import ray
-
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    monkeypatch.delenv("RAY_INGEST_KEEP_FREED_MEMORY", raising=False)
-    # resolution 2048: a decoded sample of 12 MB, large enough for one arena
-    cfg = _cfg(dataset, compute="process", threads=2, resolution=2048)
-    catalog = load_catalog([dataset])
-    opts = PoolExecution(cfg, catalog, _items(cfg, catalog), threads=2)._actor_options()
-
-    @ray.remote(num_cpus=0.01)
-    def env() -> tuple[str | None, str | None]:
-        return os.environ.get("MALLOC_ARENA_MAX"), os.environ.get("PATH")
-
-    arena, path = ray.get(env.options(runtime_env=opts["runtime_env"]).remote())
-    assert arena == "1" and path  # merged with, not instead of, the job's environment
-    assert ray.get(env.remote())[0] is None
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # the operator's choice wins
-    assert "runtime_env" not in PoolExecution(cfg, catalog, [], threads=2)._actor_options()
-    monkeypatch.delenv("MALLOC_ARENA_MAX")
-    small = _cfg(dataset, compute="process", threads=2)  # 16x16 samples keep glibc's arenas
-    assert "runtime_env" not in PoolExecution(small, catalog, [], threads=2)._actor_options()
-
-
-@pytest.mark.parametrize("mode", ["actors", "tasks", "job"])
-def test_actors_and_tasks_decode_on_their_main_thread_without_an_environment(
+@pytest.mark.parametrize("mode", ["actors", "tasks", "job", "process"])
+def test_decode_processes_decode_on_their_main_thread_without_an_environment(
         ray_local, dataset, mode, monkeypatch):
-    """Decode actors and tasks run their calls on their process's main thread, whose malloc
-    arena keeps freed memory even for large samples: no environment of their own, so Ray may
-    give them processes it prestarted."""
+    """Decode actors, tasks and the ``process`` companions run their calls on their process's
+    main thread, whose malloc arena keeps freed memory even for large samples: no environment
+    of their own, so Ray may give them processes it prestarted. ``process`` starts
+    ``decode.threads`` companions, one decoder each, pinned to the rank's node."""
     import threading
 
     import ray
@@ -189,7 +159,15 @@ def test_actors_and_tasks_decode_on_their_main_thread_without_an_environment(
     else:
         ex = PoolExecution(cfg, catalog, _items(cfg, catalog), threads=2)
         opts = ex._task_options() if mode == "tasks" else ex._actor_options()
-    assert "runtime_env" not in opts
+    assert "runtime_env" not in opts and "max_concurrency" not in opts
+    if mode == "process":
+        assert type(opts["scheduling_strategy"]).__name__ == "NodeAffinitySchedulingStrategy"
+        assert opts["scheduling_strategy"].node_id == ray.get_runtime_context().get_node_id()
+        ex.start()
+        try:
+            assert len(ex.workers) + len(ex._starting) == 2  # decode.threads companions
+        finally:
+            ex.close()
 
     def on_main() -> bool:
         return threading.current_thread() is threading.main_thread()

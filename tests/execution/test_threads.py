@@ -171,9 +171,9 @@ def test_auto_decodes_off_the_trainer_whenever_ray_is_up():
 
 
 def test_the_resolved_mode_is_said_in_words():
-    assert describe_compute("process", 1).startswith("process: one companion decode process "
-                                                     "per rank on its own node, off the trainer")
-    assert describe_compute("process", 2).endswith(", 2 decode threads")
+    assert describe_compute("process", 1).startswith("process: companion decode processes on "
+                                                     "each rank's own node, off the trainer")
+    assert describe_compute("process", 2).endswith(", 2 per rank")
     assert "inside the trainer's process" in describe_compute("threads", 4)
     assert describe_compute("actors").startswith("actors: the job's shared, elastic pool")
     assert describe_compute("actors", scope="rank").startswith("actors: each rank's own")

@@ -161,11 +161,11 @@ def test_demo_output_is_short_clean_and_ends_with_the_audit(tmp_path):
     assert len(steps) == 3 and len(set(steps)) == 3, steps
     assert len(lines) <= 40, len(lines)
     # the demo says in words which decode mode ran: on this small single node with Ray up,
-    # auto decodes off the trainer, in a companion process on the rank's node
+    # auto decodes off the trainer, in companion processes on the rank's node
     decode = [x for x in lines if "[train] decode: " in x]
     assert len(decode) == 1, decode
     assert decode[0].split("[train] decode: ", 1)[1].startswith(
-        "process: one companion decode process per rank on its own node, off the trainer's "
+        "process: companion decode processes on each rank's own node, off the trainer's "
         "process"), decode
     done = [json.loads(x.split("[train] done: ", 1)[1]) for x in lines if "[train] done: " in x]
     assert [d["decode_compute"] for d in done] == ["process"], done
