@@ -20,9 +20,9 @@ other execution, so the rows are the same bit for bit.
 * ``process``: ``decode.threads`` companion actors per rank on the rank's own node, each
   decoding one item at a time on its main thread: decode off the trainer's process and cores,
   batches over the node's shared memory, no pool to size. (One companion decoding on several
-  threads, SPDL's way, held the GIL against itself: its two threads were idle ~5 % of the time
-  at 512 px, 1.90 cores busy against 1.95–1.96 for two single-threaded decoders, which also
-  spent ~2 % less CPU per sample: docs/benchmarks.md.)
+  threads, SPDL's way, held the GIL against itself: at 512 px its two threads ran 0.90 of a
+  core each, the machine 1.89–1.90 cores busy against 1.95–1.96 for two single-threaded
+  decoders, which also spent ~2 % less CPU per sample: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
