@@ -22,7 +22,7 @@ other execution, so the rows are the same bit for bit.
   batches over the node's shared memory, no pool to size. (One companion decoding on several
   threads, SPDL's way, held the GIL against itself: at 512 px its two threads ran 0.90 of a
   core each, the machine 1.89–1.90 cores busy against 1.95–1.96 for two single-threaded
-  decoders, which also spent ~2 % less CPU per sample: docs/benchmarks.md.)
+  decoders at no more CPU per sample: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
