@@ -42,19 +42,16 @@ MMAP_THRESHOLD = 32 * 1024**2
 TRIM_THRESHOLD = 1024**3
 
 
-#: Set to ``0``: glibc's own malloc behaviour throughout (no mallopt, no one-arena environment).
+#: Set to ``0``: glibc's own malloc behaviour (no mallopt).
 OPT_OUT_ENV = "RAY_INGEST_KEEP_FREED_MEMORY"
-
-
-def _left_alone(*variables: str) -> bool:
-    """Whether the operator chose: one of ``variables`` set, or the opt-out."""
-    return any(v in os.environ for v in variables) or os.environ.get(OPT_OUT_ENV) == "0"
+#: glibc's variables for the same settings: where the operator set one, theirs wins.
+GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 @functools.cache
 def keep_freed_memory() -> bool:
     """Tune this process's malloc as the module docstring says; True when it was applied."""
-    if _left_alone("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+    if any(v in os.environ for v in GLIBC_ENV) or os.environ.get(OPT_OUT_ENV) == "0":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -139,7 +139,6 @@ class PoolExecution:
         dc = cfg.decode
         self.min_workers = threads if self.mode == "process" else dc.pool_min
         self.max_workers = threads if self.mode == "process" else dc.pool_max
-        self.per_worker = PER_WORKER
         self.window = _window_limit(cfg, self.max_workers * PER_WORKER)
         self.workers: list[_Worker] = []
         self._starting: dict[Any, Any] = {}  # ready ref -> actor handle
@@ -217,7 +216,7 @@ class PoolExecution:
     def _capacity(self) -> int:
         if self.mode == "tasks":
             return self.window
-        return min(self.window, len(self.workers) * self.per_worker)
+        return min(self.window, len(self.workers) * PER_WORKER)
 
     def _fill(self) -> None:
         """Submit items while the window has room (least-loaded worker first)."""
@@ -298,7 +297,7 @@ class PoolExecution:
     def _maybe_grow(self) -> None:
         if (self.mode == "tasks" or self._starting or not self.items
                 or len(self.workers) >= self.max_workers
-                or any(w.load < self.per_worker for w in self.workers)):
+                or any(w.load < PER_WORKER for w in self.workers)):
             return
         self._start_worker()
 
