@@ -430,8 +430,11 @@ def _render_rgb(arr: np.ndarray, p: Placement) -> np.ndarray:
         return np.ascontiguousarray(out[:, ::-1] if p.flip else out)
     if arr.shape[2] == 4:
         # Pillow's own layout, mapped: allocating an image and unpacking RGB into it held the
-        # GIL for ~7 % of a 512 px sample's decode and cost ~5 ms of a 4K one
-        img = Image.fromarrow(pa.array(arr.reshape(-1)), "RGB", (w, h))
+        # GIL for ~7 % of a 512 px sample's decode and cost ~5 ms of a 4K one. From buffers:
+        # pa.array imports pandas (~0.13 s of CPU in a decode process's first call, ~2 s of
+        # wall time while 64 ranks start on the scale-out bench's 2 cores)
+        flat = pa.Array.from_buffers(pa.uint8(), arr.size, [None, pa.py_buffer(arr)])
+        img = Image.fromarrow(flat, "RGB", (w, h))
     else:  # frombuffer would zero a new image before unpacking: allocate it uninitialised
         img = Image.new("RGB", (w, h), None)
         img.frombytes(arr, "raw", "RGB")
