@@ -200,7 +200,10 @@ class JobPoolExecution(PoolExecution):
             raise self._cause(exc) from None
         self._calls.popleft()
         self.done += 1
-        self._rate.took(step_key(call.item, self.cfg.loader.batch_size), time.monotonic())
+        if self._rate.took(step_key(call.item, self.cfg.loader.batch_size), time.monotonic()):
+            # a new step: its rate goes to the controller now, not a step later (the loop's
+            # report before this take carried the last one; its answer is not needed)
+            self._report_ref, self._reported = None, 0.0
         self._fill()
         yield from blocks
 

@@ -43,6 +43,7 @@ from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
 from ray_ingest.execution.fairshare import (
     PER_WORKER,
+    ItemCost,
     Signals,
     Sizer,
     SizerSettings,
@@ -213,6 +214,7 @@ class DecodeService:
         self._gone_by_rank: dict[int, float] = collections.defaultdict(float)
         self._rank_hist: collections.deque[tuple[float, dict[int, float]]] = \
             collections.deque()
+        self._cost = ItemCost(self.sizer.s.hold_s)
 
     def _worker_options(self) -> dict[str, Any]:
         # out of order: a plain actor otherwise runs its calls by sequence number, and one
@@ -389,7 +391,7 @@ class DecodeService:
                       demand=consumption_demand(
                           [r.rate if now - r.rate_t <= self.sizer.s.hold_s else None
                            for r in self.ranks.values()],
-                          busy / self.completed if self.completed else None))
+                          self._cost.update(now, busy, self.completed)))
         target = self.sizer.update(sig)
         self._resize(target, held, pending)
         self._kill_drained(now)

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from ray_ingest.execution.fairshare import (
+    ItemCost,
     Signals,
     Sizer,
     SizerSettings,
@@ -219,6 +220,41 @@ def test_take_rate_counts_whole_steps_behind_a_barrier():
         _burst(rate, step, t)
         for now in (t + 0.5, t + 6.0, t + 12.0):
             assert rate.rate(now) == pytest.approx(4 / 13.25, rel=0.1), (step, now)
+
+
+def test_take_rate_says_which_take_started_a_step():
+    """The rank reports at once when a step starts (the rate changed), not a step later."""
+    rate = TakeRate(30.0)
+    assert [rate.took((0, 0), t) for t in (1.0, 1.1)] == [False, False]  # the first step
+    assert [rate.took((0, 1), t) for t in (14.0, 14.1)] == [True, False]
+    assert rate.rate(14.2) is None  # one start after the first step
+    assert rate.took((0, 2), 27.0) is True
+    assert rate.rate(27.1) == pytest.approx(2 / 13.0)  # known at step 2's first take
+    assert rate.took((0, 1), 27.2) is False  # an earlier step's item (a resubmitted one)
+
+
+def test_item_cost_follows_the_recent_items_not_the_start():
+    """Items that cost 1.0 s at the start, then 0.8 s: the cost over the last window reads
+    0.8 once the window holds enough items; before that, the mean since the start."""
+    cost = ItemCost(30.0, min_items=8)
+    assert cost.update(0.0, 0.0, 0) is None
+    busy = done = 0
+    t = 0.0
+    for _ in range(40):  # 4 items a second at 1.0 s each for 10 s
+        t += 0.25
+        busy, done = busy + 1.0, done + 1
+        c = cost.update(t, busy, done)
+    assert c == pytest.approx(1.0)
+    for _ in range(160):  # then 40 s at 0.8 s each
+        t += 0.25
+        busy, done = busy + 0.8, done + 1
+        c = cost.update(t, busy, done)
+    assert c == pytest.approx(0.8)
+    assert busy / done > 0.83  # the mean since the start, still off by 5 %
+    # a window with fewer than min_items items: the mean since the start
+    t += 31.0
+    c = cost.update(t, busy + 0.8, done + 1)
+    assert c == pytest.approx((busy + 0.8) / (done + 1))
 
 
 def test_take_rate_with_fast_steps_and_after_taking_stops():
