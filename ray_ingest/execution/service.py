@@ -61,6 +61,9 @@ REPORT_S = 1.0
 #: Seconds a rank that joined may take to submit its first item before later steps of other
 #: ranks go ahead of it (see :meth:`DecodeService._start_floor`).
 START_GRACE_S = 2.0
+#: Seconds from the job's first item that the ranks which have not joined yet get to submit
+#: theirs before later steps of the others go ahead of it (the same).
+START_WAIT_S = 5.0
 #: A retired worker gets no more items and is killed once it has none (at the latest after
 #: this many seconds).
 RETIRE_MAX_S = 60.0
@@ -190,7 +193,7 @@ class DecodeService:
 
     def __init__(self, cfg: Config, pipelines: int, dataset: str):
         dc = cfg.decode
-        self.cfg, self.num_cpus = cfg, dc.num_cpus
+        self.cfg, self.num_cpus, self.pipelines = cfg, dc.num_cpus, max(1, pipelines)
         self.sizer = Sizer(SizerSettings(lo=dc.pool_min, hi=max(1, dc.pool_max * pipelines),
                                          hold_s=hold_s(cfg)))
         self.tags = job_tags(ray.get_runtime_context().get_job_id(), dataset)
@@ -215,6 +218,9 @@ class DecodeService:
         self._rank_hist: collections.deque[tuple[float, dict[int, float]]] = \
             collections.deque()
         self._cost = ItemCost(self.sizer.s.hold_s)
+        #: The ranks that submitted an item, and when the first did (monotonic).
+        self._started_ranks: set[int] = set()
+        self._first_item: float | None = None
 
     def _worker_options(self) -> dict[str, Any]:
         # out of order: a plain actor otherwise runs its calls by sequence number, and one
@@ -258,6 +264,9 @@ class DecodeService:
         entry = _Entry(tuple(key), client, r.rank, shard, item, fut)
         if r.first is None:
             r.first = entry.key
+            self._started_ranks.add(r.rank)
+            if self._first_item is None:
+                self._first_item = time.monotonic()
         heapq.heappush(self.queue, (entry.key, next(self._arrival), entry))
         self._dispatch()
         return [await fut]
@@ -335,12 +344,18 @@ class DecodeService:
 
     def _start_floor(self) -> tuple[int, int] | None:
         """While a rank that joined less than :data:`START_GRACE_S` ago has submitted nothing,
-        the earliest first step any rank submitted: later steps wait for it. (Ranks start
-        their windows a little apart; without this, the first ones' look-ahead would take
-        the workers while the last ones' first step is still to come.)"""
+        or fewer of the job's pipelines than it has submitted anything and the first item
+        came less than :data:`START_WAIT_S` ago, the earliest first step any rank submitted:
+        later steps wait for it. (Ranks start their windows a little apart; without this,
+        the first ones' look-ahead took the workers while the last ones' first step was still
+        to come: the first synchronous step of 64 ranks came at 1.6x one rank's at its fair
+        share, docs/benchmarks.md.)"""
         now = time.monotonic()
-        if not any(r.first is None and now - r.joined < START_GRACE_S
-                   for r in self.ranks.values()):
+        late = any(r.first is None and now - r.joined < START_GRACE_S
+                   for r in self.ranks.values())
+        if not late and len(self._started_ranks) < self.pipelines:
+            late = self._first_item is not None and now - self._first_item < START_WAIT_S
+        if not late:
             return None
         firsts = [r.first for r in self.ranks.values() if r.first is not None]
         return min(firsts) if firsts else None

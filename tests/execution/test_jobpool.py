@@ -336,6 +336,51 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
     assert _gone(cfg, catalog)
 
 
+def test_later_steps_wait_for_the_first_step_of_pipelines_still_to_come(ray_local, dataset):
+    """A job of 2 pipelines (2 workers). Rank 0 submits steps 0-3, rank 1 joins 1 s later (it
+    had not joined: no grace of a joined rank applies) and submits steps 0 and 1: rank 0's
+    look-ahead waited for rank 1's first step instead of taking the workers (started 1 s
+    late, rank 1's first step is not late by rank 0's look-ahead too). A job of 3 whose
+    third never comes: the look-ahead waits at most START_WAIT_S after the first item."""
+    import ray
+
+    from ray_ingest.execution import service
+
+    catalog = load_catalog([dataset])
+    for pipelines, cost in ((2, 0.03), (3, 0.031)):  # another cost: another controller
+        cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=cost)  # 0.15 s per item
+        items = _items(cfg, catalog)
+        svc = service.connect(cfg, pipelines, catalog.fingerprint)
+
+        def join(rank, svc=svc):
+            ray.get(svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
+
+        def submit(rank, step, svc=svc, items=items):
+            item = items[step]
+            return svc.submit.remote(f"c{rank}", (0, step), catalog.shard(item.sid), item)
+
+        join(0)
+        while ray.get(svc.stats.remote())["history"][-1]["held"] < pipelines:
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        outer = {submit(0, s): (0, s) for s in range(4)}
+        time.sleep(1.0)
+        join(1)
+        outer |= {submit(1, s): (1, s) for s in range(2)}
+        order = _completion_order(outer)
+        waited = time.monotonic() - t0
+        if pipelines == 2:  # two calls a worker: rank 1's step 0 and rank 0's steps 1-3 at once
+            assert order[0] == (0, 0) and order[5] == (1, 1), order
+            assert {*order[1:3]} == {(1, 0), (0, 1)} and {*order[3:5]} == {(0, 2), (0, 3)}, order
+            assert waited < service.START_WAIT_S, waited
+        else:
+            assert order[:2] == [(0, 0), (1, 0)], order
+            # the other 4 items (0.15-0.3 s on 3 workers) ran once START_WAIT_S was over
+            assert service.START_WAIT_S <= waited < service.START_WAIT_S + 5.0, waited
+        for rank in range(2):  # the controller ends by itself, its workers with it
+            ray.get(svc.leave.remote(f"c{rank}"))
+
+
 def test_ranks_with_one_hook_callable_name_the_same_pool(dataset):
     """A hook given as a callable names the pool by its import path: every rank's process
     (where its repr holds a different address) joins one pool; another hook, another pool."""
