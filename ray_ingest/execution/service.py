@@ -348,8 +348,8 @@ class DecodeService:
         came less than :data:`START_WAIT_S` ago, the earliest first step any rank submitted:
         later steps wait for it. (Ranks start their windows a little apart; without this,
         the first ones' look-ahead took the workers while the last ones' first step was still
-        to come: the first synchronous step of 64 ranks came at 1.6x one rank's at its fair
-        share, docs/benchmarks.md.)"""
+        to come: ~0.5 s of the scale-out bench's first synchronous step at 64 ranks,
+        docs/benchmarks.md.)"""
         now = time.monotonic()
         late = any(r.first is None and now - r.joined < START_GRACE_S
                    for r in self.ranks.values())
