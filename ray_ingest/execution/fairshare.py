@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -120,9 +122,8 @@ class Sizer:
         """The target after ``sig`` (also :attr:`target`; :attr:`reason` says why)."""
         s = self.s
         self._hist.append(sig)
-        keep = max(s.hold_s, s.grow_window_s) + 1.0
-        while len(self._hist) > 2 and sig.t - self._hist[1].t >= keep:
-            self._hist.popleft()
+        trim_window(self._hist, sig.t, max(s.hold_s, s.grow_window_s) + 1.0,
+                    operator.attrgetter("t"))
         if self.target is None:
             self.target = _clamp(sig.held + sig.pending + sig.free, s.lo, s.hi)
             self._grown = sig.t
@@ -248,12 +249,20 @@ class ItemCost:
         """The cost after the cumulative ``busy_s`` over ``completed`` items at ``t`` (None:
         no item completed yet)."""
         self._hist.append((t, busy_s, completed))
-        while len(self._hist) > 2 and t - self._hist[1][0] >= self.window_s:
-            self._hist.popleft()
+        trim_window(self._hist, t, self.window_s)
         _, b0, c0 = self._hist[0]
         if completed - c0 >= self.min_items:
             return (busy_s - b0) / (completed - c0)
         return busy_s / completed if completed else None
+
+
+def trim_window(hist: collections.deque, now: float, window_s: float,
+                when: Callable[[Any], float] = operator.itemgetter(0)) -> None:
+    """Drop ``hist``'s oldest samples (times ``when(sample)``) while the next oldest is at
+    least ``window_s`` before ``now``: the oldest left is the latest that spans the window
+    (at least two stay), the base of a rate over it."""
+    while len(hist) > 2 and now - when(hist[1]) >= window_s:
+        hist.popleft()
 
 
 def consumption_demand(rates: Sequence[float | None], cost_s: float | None) -> float | None:

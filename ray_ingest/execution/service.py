@@ -48,6 +48,7 @@ from ray_ingest.execution.fairshare import (
     Sizer,
     SizerSettings,
     consumption_demand,
+    trim_window,
 )
 from ray_ingest.execution.local import ItemDecoder
 from ray_ingest.execution.pool import decode_process_options
@@ -530,8 +531,7 @@ class DecodeService:
         cpus, n = self.num_cpus, self.history[-1]
         by_rank = self.rank_busy()
         self._rank_hist.append((now, by_rank))
-        while len(self._rank_hist) > 2 and now - self._rank_hist[1][0] >= EXPORT_WINDOW_S:
-            self._rank_hist.popleft()
+        trim_window(self._rank_hist, now, EXPORT_WINDOW_S)
         t0, old = self._rank_hist[0]
         dt = max(now - t0, 1e-9)
         busy = {r: (s - old.get(r, 0.0)) / dt for r, s in by_rank.items()}
