@@ -206,6 +206,7 @@ class DecodeService:
         self.busy_total = self.wait_left = 0.0  # of workers and ranks gone
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self.started = self.retired = self.lost = self.dispatched = self.completed = 0
+        self.submitted = 0
         self._t0, self._t0_wall = time.monotonic(), time.time()
         self._empty_since: float | None = self._t0
         self._tasks: list[asyncio.Task] = []
@@ -263,11 +264,14 @@ class DecodeService:
             return None
         fut = asyncio.get_running_loop().create_future()
         entry = _Entry(tuple(key), client, r.rank, shard, item, fut)
+        self.submitted += 1
         if r.first is None:
-            r.first = entry.key
             self._started_ranks.add(r.rank)
             if self._first_item is None:
                 self._first_item = time.monotonic()
+        # the earliest, not the first to arrive: Ray does not keep an async actor's calls
+        # from one caller in the order they were sent
+        r.first = entry.key if r.first is None else min(r.first, entry.key)
         heapq.heappush(self.queue, (entry.key, next(self._arrival), entry))
         self._dispatch()
         return [await fut]
@@ -314,7 +318,8 @@ class DecodeService:
         ``t0_wall``; target, held, pending, busy, wait, queued, free)."""
         return {"target": self.sizer.target, "reason": self.sizer.reason,
                 "started": self.started, "retired": self.retired, "lost": self.lost,
-                "dispatched": self.dispatched, "ranks": len(self.ranks),
+                "submitted": self.submitted, "dispatched": self.dispatched,
+                "ranks": len(self.ranks),
                 "num_cpus": self.num_cpus, "rank_busy_s": self.rank_busy(),
                 "t0_wall": self._t0_wall, "history": list(self.history)}
 

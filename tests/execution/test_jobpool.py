@@ -12,6 +12,7 @@ import hashlib
 import threading
 import time
 import types
+from functools import partial
 
 import pytest
 
@@ -284,6 +285,23 @@ def _completion_order(outer: dict) -> list:
     return order
 
 
+def _submit_in_order(svc, calls) -> dict:
+    """Submit ``calls`` (``(rank, step) -> submit()``) one at a time, each received by the
+    controller before the next is sent: Ray does not keep an async actor's calls from one
+    caller in the order they were sent, and these tests are about the order."""
+    import ray
+
+    outer = {}
+    for tag, call in calls.items():
+        before = ray.get(svc.stats.remote())["submitted"]
+        outer[call()] = tag
+        deadline = time.monotonic() + 30
+        while ray.get(svc.stats.remote())["submitted"] == before:
+            assert time.monotonic() < deadline, tag
+            time.sleep(0.002)
+    return outer
+
+
 def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local, dataset):
     """One worker. Rank 0 submits steps 0-5, rank 1 joins later and submits steps 0 and 1:
     rank 1's steps run before rank 0's later ones (the calls the worker already held
@@ -309,22 +327,24 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
     join(0)
     while ray.get(svc.stats.remote())["history"][-1]["held"] < 1:
         time.sleep(0.1)
-    outer = {submit(0, s): (0, s) for s in range(6)}
-    time.sleep(0.3)
+    outer = _submit_in_order(svc, {(0, s): partial(submit, 0, s) for s in range(6)})
+    time.sleep(0.2)
     join(1)
-    outer |= {submit(1, s): (1, s) for s in range(2)}
+    # what the worker got before rank 1 asked (two calls, a third once one finished): from
+    # rank 1's joining to its first item, rank 0's later steps wait at the controller
+    held = ray.get(svc.stats.remote())["dispatched"]
+    outer |= _submit_in_order(svc, {(1, s): partial(submit, 1, s) for s in range(2)})
     order = _completion_order(outer)
-    # rank 1's steps 0 and 1 overtake rank 0's steps 3-5, which waited at the controller; only
-    # what the worker already held when rank 1 asked (two calls, a third once one finished)
-    # runs before them
+    # rank 1's steps 0 and 1 overtake rank 0's later steps; only what the worker held runs
+    # before them
     first_of_1 = order.index((1, 0))
-    assert order[first_of_1 + 1] == (1, 1) and 2 <= first_of_1 <= 3, order
+    assert first_of_1 == held < 6 and order[first_of_1 + 1] == (1, 1), (held, order)
     assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
     join(2)
     join(3)
-    outer = {submit(2, s): (2, s) for s in range(4)}
+    outer = _submit_in_order(svc, {(2, s): partial(submit, 2, s) for s in range(4)})
     time.sleep(0.5)  # less than service.START_GRACE_S
-    outer |= {submit(3, s): (3, s) for s in range(2)}
+    outer |= _submit_in_order(svc, {(3, s): partial(submit, 3, s) for s in range(2)})
     assert _completion_order(outer) == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (2, 3)]
     deadline = time.monotonic() + 30  # the workers' busy time is read every control period
     while set((stats := ray.get(svc.stats.remote()))["rank_busy_s"]) != {0, 1, 2, 3}:
@@ -363,18 +383,23 @@ def test_later_steps_wait_for_the_first_step_of_pipelines_still_to_come(ray_loca
         while ray.get(svc.stats.remote())["history"][-1]["held"] < pipelines:
             time.sleep(0.1)
         t0 = time.monotonic()
-        outer = {submit(0, s): (0, s) for s in range(4)}
+        outer = _submit_in_order(svc, {(0, s): partial(submit, 0, s) for s in range(4)})
         time.sleep(1.0)
+        # items handed to workers (one call running and one queued per worker at most): rank
+        # 0's look-ahead waits for rank 1's first item, then goes with it
+        alone = ray.get(svc.stats.remote())["dispatched"]
         join(1)
-        outer |= {submit(1, s): (1, s) for s in range(2)}
+        outer |= _submit_in_order(svc, {(1, 0): partial(submit, 1, 0)})
+        with_first = ray.get(svc.stats.remote())["dispatched"]
+        outer |= _submit_in_order(svc, {(1, 1): partial(submit, 1, 1)})
         order = _completion_order(outer)
         waited = time.monotonic() - t0
         if pipelines == 2:  # two calls a worker: rank 1's step 0 and rank 0's steps 1-3 at once
-            assert order[0] == (0, 0) and order[5] == (1, 1), order
-            assert {*order[1:3]} == {(1, 0), (0, 1)} and {*order[3:5]} == {(0, 2), (0, 3)}, order
+            assert (alone, with_first) == (1, 5) and order[0] == (0, 0), (alone, with_first, order)
             assert waited < service.START_WAIT_S, waited
         else:
-            assert order[:2] == [(0, 0), (1, 0)], order
+            assert (alone, with_first) == (1, 2) and order[:2] == [(0, 0), (1, 0)], \
+                (alone, with_first, order)
             # the other 4 items (0.15-0.3 s on 3 workers) ran once START_WAIT_S was over
             assert service.START_WAIT_S <= waited < service.START_WAIT_S + 5.0, waited
         for rank in range(2):  # the controller ends by itself, its workers with it
