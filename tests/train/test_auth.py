@@ -87,7 +87,8 @@ def test_the_session_ray_refuses_a_driver_without_the_token(ray_local, tmp_path)
         pytest.skip("RAY_AUTH_MODE=disabled: the suite was run with authentication off")
     address = ray_local.get_runtime_context().gcs_address
     wrong = write_token_file(tmp_path / "wrong")
-    env = {**os.environ, TOKEN_PATH_ENV: str(wrong)}
+    # a refused driver retries once a second for ~20 s (Ray's default); two tries are refused alike
+    env = {**os.environ, TOKEN_PATH_ENV: str(wrong), "RAY_gcs_server_port_wait_time_s": "2"}
     probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}')"],
                            env=env, capture_output=True, text=True, timeout=300)
     assert probe.returncode != 0
