@@ -12,7 +12,6 @@ import hashlib
 import threading
 import time
 import types
-from functools import partial
 
 import pytest
 
@@ -285,21 +284,49 @@ def _completion_order(outer: dict) -> list:
     return order
 
 
-def _submit_in_order(svc, calls) -> dict:
-    """Submit ``calls`` (``(rank, step) -> submit()``) one at a time, each received by the
-    controller before the next is sent: Ray does not keep an async actor's calls from one
-    caller in the order they were sent, and these tests are about the order."""
-    import ray
+class _Ranks:
+    """Ranks of one test talking to a controller directly: client ``c{rank}``, each step's
+    item submitted with key ``(0, step)``."""
 
-    outer = {}
-    for tag, call in calls.items():
-        before = ray.get(svc.stats.remote())["submitted"]
-        outer[call()] = tag
-        deadline = time.monotonic() + 30
-        while ray.get(svc.stats.remote())["submitted"] == before:
-            assert time.monotonic() < deadline, tag
-            time.sleep(0.002)
-    return outer
+    def __init__(self, svc, catalog, items):
+        self.svc, self.catalog, self.items = svc, catalog, items
+
+    def join(self, rank: int) -> None:
+        import ray
+
+        ray.get(self.svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
+
+    def leave(self, rank: int) -> None:
+        import ray
+
+        ray.get(self.svc.leave.remote(f"c{rank}"))
+
+    def stats(self) -> dict:
+        import ray
+
+        return ray.get(self.svc.stats.remote())
+
+    def wait_held(self, workers: int) -> None:
+        while self.stats()["history"][-1]["held"] < workers:
+            time.sleep(0.1)
+
+    def submit(self, rank: int, steps) -> dict:
+        """Rank ``rank``'s ``steps``, one at a time, each received by the controller before
+        the next is sent (Ray does not keep an async actor's calls from one caller in the
+        order they were sent, and these tests are about the order): ``{outer ref: (rank,
+        step)}``."""
+        outer = {}
+        for step in steps:
+            before = self.stats()["submitted"]
+            item = self.items[step]
+            ref = self.svc.submit.remote(f"c{rank}", (0, step), self.catalog.shard(item.sid),
+                                         item)
+            outer[ref] = (rank, step)
+            deadline = time.monotonic() + 30
+            while self.stats()["submitted"] == before:
+                assert time.monotonic() < deadline, (rank, step)
+                time.sleep(0.002)
+        return outer
 
 
 def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local, dataset):
@@ -308,51 +335,40 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
     excepted). Ranks 2 and 3 join together, rank 3 submits its first items 0.5 s after rank 2
     submitted steps 0-3: rank 2's later steps wait for rank 3's first (a rank that just
     joined is not overtaken by another's look-ahead)."""
-    import ray
 
     from ray_ingest.execution import service
 
     cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=0.03)  # 0.15 s per item
     catalog = load_catalog([dataset])
-    items = _items(cfg, catalog)
-    svc = service.connect(cfg, 1, catalog.fingerprint)
-
-    def join(rank):
-        ray.get(svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
-
-    def submit(rank, step):
-        item = items[step]
-        return svc.submit.remote(f"c{rank}", (0, step), catalog.shard(item.sid), item)
-
-    join(0)
-    while ray.get(svc.stats.remote())["history"][-1]["held"] < 1:
-        time.sleep(0.1)
-    outer = _submit_in_order(svc, {(0, s): partial(submit, 0, s) for s in range(6)})
+    ranks = _Ranks(service.connect(cfg, 1, catalog.fingerprint), catalog, _items(cfg, catalog))
+    ranks.join(0)
+    ranks.wait_held(1)
+    outer = ranks.submit(0, range(6))
     time.sleep(0.2)
-    join(1)
+    ranks.join(1)
     # what the worker got before rank 1 asked (two calls, a third once one finished): from
     # rank 1's joining to its first item, rank 0's later steps wait at the controller
-    held = ray.get(svc.stats.remote())["dispatched"]
-    outer |= _submit_in_order(svc, {(1, s): partial(submit, 1, s) for s in range(2)})
+    held = ranks.stats()["dispatched"]
+    outer |= ranks.submit(1, range(2))
     order = _completion_order(outer)
     # rank 1's steps 0 and 1 overtake rank 0's later steps; only what the worker held runs
     # before them
     first_of_1 = order.index((1, 0))
     assert first_of_1 == held < 6 and order[first_of_1 + 1] == (1, 1), (held, order)
     assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
-    join(2)
-    join(3)
-    outer = _submit_in_order(svc, {(2, s): partial(submit, 2, s) for s in range(4)})
+    ranks.join(2)
+    ranks.join(3)
+    outer = ranks.submit(2, range(4))
     time.sleep(0.5)  # less than service.START_GRACE_S
-    outer |= _submit_in_order(svc, {(3, s): partial(submit, 3, s) for s in range(2)})
+    outer |= ranks.submit(3, range(2))
     assert _completion_order(outer) == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (2, 3)]
     deadline = time.monotonic() + 30  # the workers' busy time is read every control period
-    while set((stats := ray.get(svc.stats.remote()))["rank_busy_s"]) != {0, 1, 2, 3}:
+    while set((stats := ranks.stats())["rank_busy_s"]) != {0, 1, 2, 3}:
         assert time.monotonic() < deadline, stats["rank_busy_s"]
         time.sleep(0.2)
     assert stats["dispatched"] == 14
     for rank in range(4):
-        ray.get(svc.leave.remote(f"c{rank}"))
+        ranks.leave(rank)
     assert _gone(cfg, catalog)
 
 
@@ -362,36 +378,26 @@ def test_later_steps_wait_for_the_first_step_of_pipelines_still_to_come(ray_loca
     look-ahead waited for rank 1's first step instead of taking the workers (started 1 s
     late, rank 1's first step is not late by rank 0's look-ahead too). A job of 3 whose
     third never comes: the look-ahead waits at most START_WAIT_S after the first item."""
-    import ray
 
     from ray_ingest.execution import service
 
     catalog = load_catalog([dataset])
     for pipelines, cost in ((2, 0.03), (3, 0.031)):  # another cost: another controller
         cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=cost)  # 0.15 s per item
-        items = _items(cfg, catalog)
-        svc = service.connect(cfg, pipelines, catalog.fingerprint)
-
-        def join(rank, svc=svc):
-            ray.get(svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
-
-        def submit(rank, step, svc=svc, items=items):
-            item = items[step]
-            return svc.submit.remote(f"c{rank}", (0, step), catalog.shard(item.sid), item)
-
-        join(0)
-        while ray.get(svc.stats.remote())["history"][-1]["held"] < pipelines:
-            time.sleep(0.1)
+        ranks = _Ranks(service.connect(cfg, pipelines, catalog.fingerprint), catalog,
+                       _items(cfg, catalog))
+        ranks.join(0)
+        ranks.wait_held(pipelines)
         t0 = time.monotonic()
-        outer = _submit_in_order(svc, {(0, s): partial(submit, 0, s) for s in range(4)})
+        outer = ranks.submit(0, range(4))
         time.sleep(1.0)
         # items handed to workers (one call running and one queued per worker at most): rank
         # 0's look-ahead waits for rank 1's first item, then goes with it
-        alone = ray.get(svc.stats.remote())["dispatched"]
-        join(1)
-        outer |= _submit_in_order(svc, {(1, 0): partial(submit, 1, 0)})
-        with_first = ray.get(svc.stats.remote())["dispatched"]
-        outer |= _submit_in_order(svc, {(1, 1): partial(submit, 1, 1)})
+        alone = ranks.stats()["dispatched"]
+        ranks.join(1)
+        outer |= ranks.submit(1, [0])
+        with_first = ranks.stats()["dispatched"]
+        outer |= ranks.submit(1, [1])
         order = _completion_order(outer)
         waited = time.monotonic() - t0
         if pipelines == 2:  # two calls a worker: rank 1's step 0 and rank 0's steps 1-3 at once
@@ -403,7 +409,7 @@ def test_later_steps_wait_for_the_first_step_of_pipelines_still_to_come(ray_loca
             # the other 4 items (0.15-0.3 s on 3 workers) ran once START_WAIT_S was over
             assert service.START_WAIT_S <= waited < service.START_WAIT_S + 5.0, waited
         for rank in range(2):  # the controller ends by itself, its workers with it
-            ray.get(svc.leave.remote(f"c{rank}"))
+            ranks.leave(rank)
 
 
 def test_ranks_with_one_hook_callable_name_the_same_pool(dataset):
