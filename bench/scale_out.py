@@ -465,22 +465,28 @@ class SimRanks:
                         timeout=BARRIER_TIMEOUT_S)
             local.wait()
 
+        def abort(error: str) -> None:
+            """This process's ranks and every other process's stop at the barrier."""
+            local.abort()
+            barrier.abort.remote(error)
+
         return self._per_rank(
             lambda rank: {"rank": rank, **rank_loop(self.loaders[rank], steps, compute_s, sync)},
-            on_error=local.abort)
+            on_error=abort)
 
     def _per_rank(self, body: Any, on_error: Any = None) -> list[dict[str, Any]]:
         """``body(rank)`` for every rank, each in its own thread; an exception is reported as
-        the rank's ``error``, not lost in the thread (then ``on_error()``)."""
+        the rank's ``error``, not lost in the thread (then ``on_error(error)``)."""
         out: dict[int, Any] = {}
 
         def one(rank: int) -> None:
             try:
                 out[rank] = body(rank)
             except BaseException as exc:
-                out[rank] = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+                error = f"{type(exc).__name__}: {exc}"
+                out[rank] = {"rank": rank, "error": error}
                 if on_error is not None:
-                    on_error()
+                    on_error(f"rank {rank}: {error}")
 
         threads = [threading.Thread(target=one, args=(r,)) for r in self.loaders]
         for t in threads:

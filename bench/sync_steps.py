@@ -44,15 +44,22 @@ TAIL_STEPS = 3
 BARRIER_TIMEOUT_S = 900.0
 
 
+class BarrierAborted(RuntimeError):
+    """A rank failed: the others stop at the barrier instead of waiting for it."""
+
+
 class StepBarrier:
     """An async Ray actor: a step is released when ``parties`` ranks arrived at it (a process
-    arrives once for its ranks); keeps the release times (wall clock)."""
+    arrives once for its ranks); keeps the release times (wall clock). :meth:`abort` (a rank
+    failed) releases every waiting and later arrival with :class:`BarrierAborted`, so the
+    phase ends with that rank's error at once, not after :data:`BARRIER_TIMEOUT_S`."""
 
     def __init__(self, parties: int):
         self.parties = parties
         self.count: dict[int, int] = collections.defaultdict(int)
         self.events: dict[int, asyncio.Event] = {}
         self.released: dict[int, float] = {}
+        self.aborted: str | None = None
 
     async def arrive(self, step: int, n: int) -> float:
         self.count[step] += n
@@ -60,8 +67,18 @@ class StepBarrier:
         if self.count[step] >= self.parties:
             self.released[step] = time.time()
             ev.set()
-        await asyncio.wait_for(ev.wait(), BARRIER_TIMEOUT_S)
+        if self.aborted is None:
+            await asyncio.wait_for(ev.wait(), BARRIER_TIMEOUT_S)
+        if step not in self.released:
+            raise BarrierAborted(f"step {step}: {self.aborted}")
         return self.released[step]
+
+    async def abort(self, reason: str) -> None:
+        """Release every rank waiting now or later, with ``reason`` (not a step release)."""
+        if self.aborted is None:
+            self.aborted = reason
+        for ev in self.events.values():
+            ev.set()
 
     async def progress(self) -> dict[int, float]:
         return dict(self.released)

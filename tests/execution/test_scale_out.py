@@ -227,3 +227,29 @@ def test_held_busy_counts_whole_steps():
     hist = [dict(h, held=5) for h in hist]  # a fifth worker the bursts never use: 1.48x
     assert held_busy(hist, 1.0, marks)["le_1_3_from_s"] is None
     assert held_busy(hist, 1.0, marks[:1])["busy_cpus"] is None
+
+
+def test_step_barrier_abort_releases_waiting_ranks():
+    """A failed rank aborts the barrier: a rank waiting at it, and one arriving later, stop
+    at once with the failure's reason (they waited BARRIER_TIMEOUT_S, 900 s, before); a step
+    that was released stays released."""
+    import asyncio
+
+    from bench.sync_steps import BarrierAborted, StepBarrier
+
+    async def scenario():
+        b = StepBarrier(parties=2)
+        first = asyncio.ensure_future(b.arrive(0, 1))
+        second = await asyncio.wait_for(b.arrive(0, 1), 1.0)  # both there: released
+        assert await first == second == b.released[0]
+        waiting = asyncio.ensure_future(b.arrive(1, 1))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await b.abort("rank 3: ValueError: bad shard")
+        with pytest.raises(BarrierAborted, match="step 1: rank 3: ValueError: bad shard"):
+            await asyncio.wait_for(waiting, 1.0)
+        with pytest.raises(BarrierAborted, match="step 2"):
+            await asyncio.wait_for(b.arrive(2, 1), 1.0)
+        assert sorted(await b.progress()) == [0]
+
+    asyncio.run(scenario())
