@@ -43,6 +43,8 @@ from ray_ingest.plan.epoch import ReadItem
 _CLIENTS = itertools.count()
 #: Longest wait for the controller to answer a join (seconds; it may be starting).
 JOIN_TIMEOUT_S = 120.0
+#: Reports a rank keeps in flight: the periodic one and one for a step just taken.
+REPORTS_IN_FLIGHT = 2
 #: What a lost worker or lost blocks look like to the rank: the item is submitted again.
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError,
         ray.exceptions.OwnerDiedError)
@@ -77,8 +79,14 @@ class JobPoolExecution(PoolExecution):
         self.pipelines = max(1, pipelines)
         self.dataset = catalog.fingerprint
         self._service: Any = None
-        self._report_ref: Any = None
+        #: Reports in flight, oldest first (at most :data:`REPORTS_IN_FLIGHT`), as (number,
+        #: ref); the number of the newest answer applied (an older one arriving after it is
+        #: not applied over it).
+        self._reports: list[tuple[int, Any]] = []
+        self._sent = self._applied = 0
         self._reported = 0.0
+        #: A new step was taken: report its rate now, not at the next period.
+        self._report_now = False
         self._rows = block_rows(cfg)
         self._cap = _window_limit(cfg, max(PER_WORKER * cfg.decode.pool_max,
                                            ahead_calls(cfg.loader.batch_size, self._rows)))
@@ -129,25 +137,31 @@ class JobPoolExecution(PoolExecution):
 
     def _admit(self, wait_s: float = 0.0) -> None:
         """Report this rank's data-wait and items taken (its step rate) every
-        :data:`~ray_ingest.execution.service.REPORT_S` and apply the answer (never blocks on
-        the controller)."""
-        if self._report_ref is not None:
-            ready, _ = ray.wait([self._report_ref], timeout=0)
-            if ready:
-                ref, self._report_ref = self._report_ref, None
+        :data:`~ray_ingest.execution.service.REPORT_S`, and at once when it took a new step,
+        and apply the answers (never blocks on the controller)."""
+        if self._reports:
+            refs = [ref for _, ref in self._reports]
+            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            for n, ref in [r for r in self._reports if r[1] in ready]:
+                self._reports.remove((n, ref))
                 try:
                     view = ray.get(ref)
                 except ray.exceptions.RayActorError:
                     view = None
                 if view is None:  # the controller ended or forgot this rank: join again
+                    self._reports.clear()
                     self._join()
-                else:
+                    break
+                if n > self._applied:
+                    self._applied = n
                     self._apply(view)
         now = time.monotonic()
-        if self._report_ref is None and now - self._reported >= service.REPORT_S:
-            self._reported = now
-            self._report_ref = self._service.report.remote(self.client, self._waited(),
-                                                           self._rate.rate(now))
+        due = not self._reports and now - self._reported >= service.REPORT_S
+        if due or (self._report_now and len(self._reports) < REPORTS_IN_FLIGHT):
+            self._reported, self._report_now = now, False
+            self._sent += 1
+            self._reports.append((self._sent, self._service.report.remote(
+                self.client, self._waited(), self._rate.rate(now))))
         if wait_s:
             time.sleep(wait_s)
 
@@ -201,9 +215,9 @@ class JobPoolExecution(PoolExecution):
         self._calls.popleft()
         self.done += 1
         if self._rate.took(step_key(call.item, self.cfg.loader.batch_size), time.monotonic()):
-            # a new step: its rate goes to the controller now, not a step later (the loop's
-            # report before this take carried the last one; its answer is not needed)
-            self._report_ref, self._reported = None, 0.0
+            # a new step: its rate goes to the controller now, not a period later (beside a
+            # report still in flight, whose answer is applied as well)
+            self._report_now = True
         self._fill()
         yield from blocks
 

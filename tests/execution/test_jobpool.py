@@ -231,6 +231,67 @@ def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
     assert _gone(cfg, catalog)
 
 
+def test_a_new_steps_report_goes_beside_an_unanswered_one_and_both_answers_count(
+        ray_local, dataset):
+    """A rank that takes a new step reports its rate at once, beside a report still in
+    flight, whose answer still counts: here the older answer (slow) says the controller
+    forgot the rank, and the rank joins again (it was dropped before, and the rank went on
+    with a controller that did not know it); the newer answer, first back, sizes the window
+    and no older view is applied over it."""
+    import asyncio
+
+    import ray
+
+    from ray_ingest.execution.fairshare import window_calls
+    from ray_ingest.execution.jobpool import JobPoolExecution
+    from ray_ingest.execution.pool import PER_WORKER
+
+    @ray.remote(num_cpus=0)
+    class Reports:
+        """Answers the first report after 1.5 s with None, the others at once."""
+
+        def __init__(self):
+            self.calls = 0
+
+        async def report(self, client, wait_s, rate):
+            self.calls += 1
+            if self.calls == 1:
+                await asyncio.sleep(1.5)
+                return None
+            return {"workers": 2, "ranks": 1}
+
+        async def count(self):
+            return self.calls
+
+    cfg = _cfg(dataset, pool_min=1, pool_max=4)
+    catalog = load_catalog([dataset])
+    ex = JobPoolExecution(cfg, catalog, _items(cfg, catalog), rank=0, pipelines=1)
+    reports = Reports.remote()
+    assert ray.get(reports.count.remote()) == 0  # up
+    ex._service = reports
+    try:
+        ex._admit()  # the periodic report: answered in 1.5 s
+        ex._report_now = True  # what taking a new step sets
+        ex._admit()
+        t0 = time.monotonic()
+        while ray.get(reports.count.remote()) < 2:
+            assert time.monotonic() - t0 < 1.0, "the new step's report waited for the other"
+            time.sleep(0.02)
+        two = window_calls(cfg.loader.batch_size, 5, 2, 1, PER_WORKER, ex._cap)
+        deadline = time.monotonic() + 30
+        while ex.window != two:
+            assert time.monotonic() < deadline
+            ex._admit(0.02)
+        assert ex._service is reports and len(ex._reports) == 1
+        while ex._service is reports:  # the older answer: join again (a real controller)
+            assert time.monotonic() < deadline
+            ex._admit(0.02)
+        assert ray.get(_service(cfg, catalog).stats.remote())["ranks"] == 1  # it knows the rank
+    finally:
+        ex.close()
+    assert _gone(cfg, catalog)
+
+
 def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
     """jobs/train.py's driver starts the pool before Ray Train starts the ranks: a rank's
     config (the job's train_loop_config, storage options sealed and revealed, decode.compute
