@@ -44,6 +44,16 @@ def token_env(token_path: str | os.PathLike) -> dict[str, str]:
     return {**base_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
 
 
+def driver_probe(address: str, env: dict[str, str], timeout: float = 180) \
+        -> subprocess.CompletedProcess:
+    """``ray.init(address=...)`` in a new process with ``env``, trying twice: a refused
+    driver retries once a second for ~20 s by default, and is refused alike each time."""
+    return subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address='{address}')"],
+        env={**env, "RAY_gcs_server_port_wait_time_s": "2"}, capture_output=True, text=True,
+        timeout=timeout)
+
+
 def anonymous_env(home: str | os.PathLike) -> dict[str, str]:
     """A client without any token: no variable, and a HOME without ``~/.ray/auth_token``."""
     return {**base_env(), "RAY_AUTH_MODE": "disabled", "HOME": str(home)}

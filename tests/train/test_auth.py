@@ -80,17 +80,13 @@ def test_the_test_session_runs_with_token_auth():
 
 @pytest.mark.ray
 def test_the_session_ray_refuses_a_driver_without_the_token(ray_local, tmp_path):
-    import subprocess
-    import sys
+    from tests.support.tokencluster import driver_probe
 
     if os.environ[MODE_ENV] != "token":
         pytest.skip("RAY_AUTH_MODE=disabled: the suite was run with authentication off")
     address = ray_local.get_runtime_context().gcs_address
     wrong = write_token_file(tmp_path / "wrong")
-    # a refused driver retries once a second for ~20 s (Ray's default); two tries are refused alike
-    env = {**os.environ, TOKEN_PATH_ENV: str(wrong), "RAY_gcs_server_port_wait_time_s": "2"}
-    probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}')"],
-                           env=env, capture_output=True, text=True, timeout=300)
+    probe = driver_probe(address, {**os.environ, TOKEN_PATH_ENV: str(wrong)}, timeout=300)
     assert probe.returncode != 0
     assert "uthentication" in probe.stdout + probe.stderr, probe.stderr[-2000:]
 

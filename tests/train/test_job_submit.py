@@ -22,7 +22,13 @@ import yaml
 
 from ray_ingest.tools.synth import synth_dataset
 from ray_ingest.train.auth import write_token_file
-from tests.support.tokencluster import TokenHead, anonymous_env, files_holding, token_env
+from tests.support.tokencluster import (
+    TokenHead,
+    anonymous_env,
+    driver_probe,
+    files_holding,
+    token_env,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.train]
 
@@ -92,12 +98,8 @@ def test_token_cluster_refuses_strangers_and_runs_the_job(tmp_path):
             assert status_probe.returncode != 0
         listed = head.ray(["job", "list", "--address", head.dashboard])
         assert listed.returncode == 0 and "ray-ingest-" not in listed.stdout, listed.stdout
-        # the GCS refuses a driver without the token too (two tries: a refused driver retries
-        # once a second for ~20 s by default, refused alike)
-        probe = subprocess.run(
-            [sys.executable, "-c", f"import ray; ray.init(address='{head.address}')"],
-            env={**token_env(wrong), "RAY_gcs_server_port_wait_time_s": "2"},
-            capture_output=True, text=True, timeout=180)
+        # the GCS refuses a driver without the token too
+        probe = driver_probe(head.address, token_env(wrong))
         assert probe.returncode != 0 and "uthentication" in probe.stdout + probe.stderr, (
             probe.stdout[-2000:] + probe.stderr[-2000:])
         # 2. with the token: the training job runs
