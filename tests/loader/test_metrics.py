@@ -5,7 +5,8 @@ dashboard and Prometheus scrape): one loader epoch on a rank of a 2-slot topolog
 oversized member per shard (a counted read skip), and remote reads retried through a scripted
 flaky filesystem, must show up on ``http://127.0.0.1:<metrics_export_port>/metrics`` under
 the loader's rank/slot/dataset tags, equal to the loader's own counters. Ray exports every
-``metrics_report_interval_ms`` (10 s by default), so the scrape waits, boundedly.
+``metrics_report_interval_ms`` (10 s by default, 2 s in the suite: tests/conftest.py), so the
+scrape waits, boundedly.
 """
 
 from __future__ import annotations
