@@ -37,6 +37,8 @@ DECODER_ALIASES = {"rgb8": "rgb", "l8": "gray", "l": "gray", "txt": "text", "cls
                    "raw": "bytes"}
 #: ``decode.resample`` modes (ray_ingest.decode.geometry).
 RESAMPLE_MODES = ("nearest", "bilinear", "none")
+#: ``decode.resizer`` values (ray_ingest.decode.resize_torch).
+RESIZERS = ("pillow", "torch")
 ON_ERROR = ("raise", "skip")
 COMPUTE_MODES = ("auto", "actors", "tasks", "threads", "process")
 POOL_SCOPES = ("job", "rank")
@@ -198,6 +200,10 @@ class DecodeConfig:
     resample: dict[str, str] = attrs.field(factory=dict)
     #: Flip each sample horizontally with probability 1/2 (drawn from its seed, like the crop).
     flip: bool = False
+    #: Who resizes images on the CPU: ``pillow`` (bilinear, Pillow's bytes bit for bit) or
+    #: ``torch`` (its antialiased bilinear on uint8: 2.6-3.8x faster with AVX2, pixels
+    #: within 2 of Pillow's; ray_ingest.decode.resize_torch).
+    resizer: str = attrs.field(default="pillow", validator=_one_of(RESIZERS))
     #: A user hook ``fn(sample, rng, ctx) -> dict | None`` run on every decoded sample in the
     #: decode workers: ``"package.module:function"`` (or a class, built once per worker with
     #: ``transform_kwargs``), or a callable in the Python API (ray_ingest.decode.hook).

@@ -75,6 +75,7 @@ from ray_ingest.decode.modalities import (  # noqa: F401 - re-exported (tests, n
     open_image,
     spec_for,
 )
+from ray_ingest.decode.resize_torch import render_torch
 from ray_ingest.errors import IngestError, UnsafeFormatError
 from ray_ingest.metrics import running_ray
 
@@ -146,6 +147,8 @@ class Decoder:
         }
         #: The GPU decodes the primary image (the workers ship its bytes and placement).
         self.compressed = cfg.device == "cuda"
+        #: torch resizes (decode.resizer: torch), not Pillow.
+        self.torch_resize = cfg.resizer == "torch"
         self.hook = hooks.resolve(cfg.transform, cfg.transform_kwargs) if cfg.transform else None
         self.hook_name = hooks.describe(cfg.transform) if cfg.transform else ""
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
@@ -197,14 +200,16 @@ class Decoder:
             p = place(hdr.size, geom, seed, scalable=True)
             if self.compressed:  # the trainer's GPU decodes it, in this placement
                 return data, p
-            arr = jpeg.decode(data, hdr, p.scale, limit, _MAPS_PADDED and p.cover != p.decoded)
+            padded = _MAPS_PADDED and p.cover != p.decoded and not self.torch_resize
+            arr = jpeg.decode(data, hdr, p.scale, limit, padded)
             if arr is not None:
-                return _render_rgb(arr, p), p
+                return (render_torch(arr, p) if self.torch_resize else _render_rgb(arr, p)), p
         img = open_image(data, limit)
         p = place(img.size, geom, seed, scalable=img.format == "JPEG")
         draft_for(img, geom)
         img.load()
-        return render(img if img.mode == "RGB" else img.convert("RGB"), p), p
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+        return (render_torch(np.asarray(rgb), p) if self.torch_resize else render(rgb, p)), p
 
     def _other(self, modality: str, data: bytes | None, ext: str | None,
                placement: Placement | None) -> Any:
@@ -229,6 +234,9 @@ class Decoder:
                 f"{modality}: {size[0]}x{size[1]} cannot be mapped onto the "
                 f"{cfg.image_modality} ({placement.source[0]}x{placement.source[1]}): another "
                 f"aspect ratio (decode.resample.{modality}: none keeps it unplaced)")
+        if (self.torch_resize and mode == "bilinear" and value.dtype == np.uint8
+                and (value.ndim == 2 or value.shape[2] == 3)):
+            return render_torch(value, placement)
         return render_array(value, placement, mode)
 
     def decode_row(self, row: dict[str, Any], modalities: list[str] | None = None

@@ -13,6 +13,8 @@ gives them ours, ``augment.resize_crop``, which resamples only the kept pixels):
   wds_dl     webdataset tar iterators zipped per twin shard (PiD's loader) in a torch
              DataLoader with ``--cores`` workers, started afresh every epoch
   wds_dl_pw  the same DataLoader with ``persistent_workers=True`` (start-up paid once)
+  wds_dl_pw_torch  the same, resizing with torch's antialiased bilinear on uint8 (the kernel
+             of torchvision's tensor ``Resize``): the baseline of ``decode.resizer: torch``
   ray_wds    ray.data.read_webdataset(image tars) + map_batches decode (no twin join)
   ceiling    single-process read+decode loop, throughput x cores
   ceiling_par  the same loop in ``--cores`` processes at once, each on its share of the image
@@ -71,6 +73,17 @@ def decode_image(data: bytes, res: int, resize: Resize = resize_then_crop) -> np
     img = Image.open(io.BytesIO(data))
     draft_for(img, geom)
     return resize(img, geom)
+
+
+def resize_torch_then_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = None
+                           ) -> np.ndarray:
+    """The textbook transform with torch's resize (``wds_dl_pw_torch``): what
+    ``decode.resizer: torch`` computes, as a DataLoader user would write it."""
+    from ray_ingest.decode.geometry import place
+    from ray_ingest.decode.resize_torch import render_torch
+
+    rgb = img if img.mode == "RGB" else img.convert("RGB")
+    return render_torch(np.asarray(rgb), place(img.size, geom, rng_seed, scalable=False))
 
 
 def shard_urls(root: str, modality: str) -> list[str]:
@@ -153,11 +166,11 @@ class _TwinWds(__import__("torch").utils.data.IterableDataset):
 
 
 def _dataloader(root: str, res: int, batch: int, cores: int, epochs: int,
-                persistent: bool) -> Batches:
+                persistent: bool, resize: Resize | None = None) -> Batches:
     import torch.utils.data as tud
 
     pairs = list(zip(shard_urls(root, "image"), shard_urls(root, "caption"), strict=True))
-    dl = tud.DataLoader(_TwinWds(pairs, res, BASELINE["resize"]), batch_size=batch,
+    dl = tud.DataLoader(_TwinWds(pairs, res, resize or BASELINE["resize"]), batch_size=batch,
                         num_workers=cores, persistent_workers=persistent, prefetch_factor=4)
     # The workers are forked from a process with Ray up: an ObjectRef freed by a worker's
     # garbage collector would write to the raylet over this process's sockets (seen once: the
@@ -179,6 +192,11 @@ def run_wds_dl(root: str, res: int, batch: int, cores: int, epochs: int) -> Batc
 
 def run_wds_dl_pw(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
     return _dataloader(root, res, batch, cores, epochs, persistent=True)
+
+
+def run_wds_dl_pw_torch(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
+    return _dataloader(root, res, batch, cores, epochs, persistent=True,
+                       resize=resize_torch_then_crop)
 
 
 def run_ray_wds(root: str, res: int, batch: int, cores: int, epochs: int) -> Batches:
@@ -258,6 +276,7 @@ def run_ceiling_par(root: str, res: int, batch: int, cores: int, epochs: int) ->
 
 
 CONTENDERS = {"ours": run_ours, "wds_dl": run_wds_dl, "wds_dl_pw": run_wds_dl_pw,
+              "wds_dl_pw_torch": run_wds_dl_pw_torch,
               "ray_wds": run_ray_wds, "ceiling": run_ceiling,
               "ceiling_par": run_ceiling_par}
 #: Ratios printed, with the goal of issue 10 where it sets one.
