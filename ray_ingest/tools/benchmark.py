@@ -37,6 +37,7 @@ stats); and the ratios of total CPU per sample between contenders (``--cpu-ref``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import io
@@ -172,16 +173,24 @@ def _dataloader(root: str, res: int, batch: int, cores: int, epochs: int,
     pairs = list(zip(shard_urls(root, "image"), shard_urls(root, "caption"), strict=True))
     dl = tud.DataLoader(_TwinWds(pairs, res, resize or BASELINE["resize"]), batch_size=batch,
                         num_workers=cores, persistent_workers=persistent, prefetch_factor=4)
-    # The workers are forked from a process with Ray up: an ObjectRef freed by a worker's
-    # garbage collector would write to the raylet over this process's sockets (seen once: the
-    # plasma store died on "Invalid Plasma message type"). Garbage collected here, the rest
-    # frozen, so no worker collects what it inherited.
-    gc.collect()
-    gc.freeze()
-    try:
+    with gc_frozen():
         for epoch in range(epochs):
             for imgs, _caps in dl:
                 yield epoch, len(imgs)
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Around a DataLoader whose workers fork from a process with Ray up: an ObjectRef freed by
+    a worker's garbage collector would write to the raylet over this process's sockets (seen
+    once: the plasma store died on "Invalid Plasma message type"; the train-step bench, which
+    did not freeze, once had its next Ray run wait forever on its workers' first answers: the
+    suspected cause, not proven). Garbage collected here, the rest frozen, so no worker
+    collects what it inherited."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
     finally:
         gc.unfreeze()
 

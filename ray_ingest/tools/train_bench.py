@@ -229,9 +229,10 @@ def items_dataloader(args: argparse.Namespace, persistent: bool) -> Iterator[Ite
     dl = tud.DataLoader(tb._TwinWds(pairs, args.res, tb.BASELINE["resize"]),
                         batch_size=args.batch, num_workers=args.cores,
                         persistent_workers=persistent, prefetch_factor=4)
-    for epoch in range(args.epochs):
-        for images, _caps in dl:
-            yield epoch, images, len(images)
+    with tb.gc_frozen():
+        for epoch in range(args.epochs):
+            for images, _caps in dl:
+                yield epoch, images, len(images)
 
 
 def contender_items(name: str, args: argparse.Namespace,
