@@ -149,6 +149,9 @@ class Decoder:
         self.compressed = cfg.device == "cuda"
         #: torch resizes (decode.resizer: torch), not Pillow.
         self.torch_resize = cfg.resizer == "torch"
+        if self.torch_resize:
+            # its import (~1.2 CPU-s) while the worker starts, not inside its first item
+            import torch  # noqa: F401
         self.hook = hooks.resolve(cfg.transform, cfg.transform_kwargs) if cfg.transform else None
         self.hook_name = hooks.describe(cfg.transform) if cfg.transform else ""
         Image.MAX_IMAGE_PIXELS = cfg.max_image_pixels
