@@ -147,8 +147,11 @@ class Decoder:
         }
         #: The GPU decodes the primary image (the workers ship its bytes and placement).
         self.compressed = cfg.device == "cuda"
-        #: torch resizes (decode.resizer: torch), not Pillow.
+        #: torch resizes (decode.resizer: torch), not Pillow: the renderers of a decoded array
+        #: and of an image Pillow decoded, chosen once.
         self.torch_resize = cfg.resizer == "torch"
+        self._render_array, self._render_image = (
+            (render_torch, _render_torch_image) if self.torch_resize else (_render_rgb, render))
         if self.torch_resize:
             # its import (~1.2 CPU-s) while the worker starts, not inside its first item
             import torch  # noqa: F401
@@ -206,13 +209,12 @@ class Decoder:
             padded = _MAPS_PADDED and p.cover != p.decoded and not self.torch_resize
             arr = jpeg.decode(data, hdr, p.scale, limit, padded)
             if arr is not None:
-                return (render_torch(arr, p) if self.torch_resize else _render_rgb(arr, p)), p
+                return self._render_array(arr, p), p
         img = open_image(data, limit)
         p = place(img.size, geom, seed, scalable=img.format == "JPEG")
         draft_for(img, geom)
         img.load()
-        rgb = img if img.mode == "RGB" else img.convert("RGB")
-        return (render_torch(np.asarray(rgb), p) if self.torch_resize else render(rgb, p)), p
+        return self._render_image(img if img.mode == "RGB" else img.convert("RGB"), p), p
 
     def _other(self, modality: str, data: bytes | None, ext: str | None,
                placement: Placement | None) -> Any:
@@ -450,6 +452,11 @@ def _render_rgb(arr: np.ndarray, p: Placement) -> np.ndarray:
         img = Image.new("RGB", (w, h), None)
         img.frombytes(arr, "raw", "RGB")
     return render(img, p)
+
+
+def _render_torch_image(img: Image.Image, p: Placement) -> np.ndarray:
+    """An RGB image Pillow decoded, rendered by torch (decode.resizer: torch)."""
+    return render_torch(np.asarray(img), p)
 
 
 def _field_name(hook_name: str, name: Any) -> str:

@@ -11,7 +11,7 @@ thread count nor on the kernel torch picks for the CPU (``ATEN_CPU_CAPABILITY`` 
 and avx512 give the same bytes: tests/decode/test_resize_torch.py); without AVX2 it is slower
 than Pillow (6.6 ms against ~2.4 ms at 685x385). So the default stays ``pillow`` (the goldens
 are Pillow's bytes); this is for jobs that want the decode CPU back more than Pillow's exact
-bytes. Torch is imported on the first call. No Ray.
+bytes. Torch is imported here on the first call (a Decoder imports it when built). No Ray.
 """
 
 from __future__ import annotations

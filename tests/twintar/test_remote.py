@@ -16,6 +16,7 @@ import tarfile
 import time
 from typing import Any
 
+import attrs
 import fsspec
 import pytest
 from fsspec.spec import AbstractFileSystem
@@ -418,8 +419,7 @@ def test_gs_reads_through_faults_match(fault_proxy, gcs_tars, remote_figures, ki
 
 #: The not-found test's policy: PROXY_POLICY with a request timeout a loaded machine's emulator
 #: meets (at 0.3 s its first answer once timed out in CI and was retried, as a timeout must be).
-NOT_FOUND_POLICY = RetryPolicy(attempts=8, backoff_base_s=0.005, backoff_max_s=0.05,
-                               read_timeout_s=10.0)
+NOT_FOUND_POLICY = attrs.evolve(PROXY_POLICY, read_timeout_s=10.0)
 
 
 @pytest.mark.gcs
