@@ -375,8 +375,12 @@ class _Ranks:
 
         return ray.get(self.svc.stats.remote())
 
-    def wait_held(self, workers: int) -> None:
-        while self.stats()["history"][-1]["held"] < workers:
+    def wait_held(self, workers: int, timeout: float = 60.0) -> None:
+        """Until the controller holds ``workers`` workers up (a test failure, not a hang,
+        when it never does)."""
+        deadline = time.monotonic() + timeout
+        while (held := self.stats()["history"][-1]["held"]) < workers:
+            assert time.monotonic() < deadline, f"{held} of {workers} workers up in {timeout} s"
             time.sleep(0.1)
 
     def submit(self, rank: int, steps) -> dict:
