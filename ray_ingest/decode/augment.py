@@ -28,8 +28,8 @@ from ray_ingest.decode.geometry import (
     sample_seed,
 )
 
-__all__ = ["Geometry", "bucket_shape", "draft_for", "parse_bucket", "render", "render_array",
-           "resize_crop", "resize_then_crop", "sample_seed"]
+__all__ = ["Geometry", "bucket_shape", "draft_for", "mirrored", "parse_bucket", "render",
+           "render_array", "resize_crop", "resize_then_crop", "sample_seed"]
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +50,16 @@ def resize_then_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = No
     """The textbook transform: resize the whole image, then crop (torchvision's Resize +
     CenterCrop on a PIL image). :func:`resize_crop` gives the same bytes for less work; the
     benchmark's baselines run this, as their users would."""
-    return _flipped(_whole(*_cover(img, geom, rng_seed)),
-                    place(img.size, geom, rng_seed, scalable=False).flip)
+    arr = np.asarray(_whole(*_cover(img, geom, rng_seed)), dtype=np.uint8)
+    flip = place(img.size, geom, rng_seed, scalable=False).flip
+    return np.ascontiguousarray(arr[:, ::-1]) if flip else arr
 
 
 def _whole(img: Image.Image, size: tuple[int, int], box: tuple[int, int, int, int]
-           ) -> np.ndarray:
+           ) -> Image.Image:
     if size != img.size:
         img = _resample(img, size)
-    return np.asarray(_crop(img, box), dtype=np.uint8)
+    return _crop(img, box)
 
 
 def resize_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = None) -> np.ndarray:
@@ -80,13 +81,27 @@ def render(img: Image.Image, p: Placement) -> np.ndarray:
     """
     order = pass_order()
     if p.cover == img.size or order is None:
-        return _flipped(_whole(img, p.cover, p.box), p.flip)
-    return _flipped(np.asarray(_resize_kept(img, p.cover, p.box, order), dtype=np.uint8),
-                    p.flip)
+        out = _whole(img, p.cover, p.box)
+    else:
+        out = _resize_kept(img, p.cover, p.box, order)
+    if p.flip:  # Pillow moves whole pixels: ~6x faster than numpy's reversed copy at 256²
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(out, dtype=np.uint8)
 
 
-def _flipped(arr: np.ndarray, flip: bool) -> np.ndarray:
-    return np.ascontiguousarray(arr[:, ::-1]) if flip else arr
+def mirrored(arr: np.ndarray) -> np.ndarray:
+    """``arr`` ((H, W) or (H, W, C), any dtype) flipped left to right, C-contiguous.
+
+    Why not ``np.ascontiguousarray(arr[:, ::-1])`` alone: numpy copies a reversed (H, W, 3)
+    array through a 3-long inner loop, ~10x a plain copy (0.48 ms at 256x256 RGB, 30 ms at
+    2048x1152); each pixel viewed as one opaque item of C values moves whole, in about half
+    that."""
+    if arr.ndim == 3 and arr.shape[1] > 1:
+        if arr.strides[2] != arr.itemsize:
+            arr = np.ascontiguousarray(arr)
+        pixel = np.dtype((np.void, arr.shape[2] * arr.itemsize))
+        return np.ascontiguousarray(arr.view(pixel)[:, ::-1]).view(arr.dtype).reshape(arr.shape)
+    return np.ascontiguousarray(arr[:, ::-1])
 
 
 def render_array(arr: np.ndarray, p: Placement, resample: str = "nearest") -> np.ndarray:
@@ -117,7 +132,7 @@ def render_array(arr: np.ndarray, p: Placement, resample: str = "nearest") -> np
             if info is not None:
                 out = np.clip(out, info.min, info.max)
             out = out.astype(arr.dtype)
-    return _flipped(np.ascontiguousarray(out), p.flip)
+    return mirrored(out) if p.flip else np.ascontiguousarray(out)
 
 
 # --- resampling only the kept pixels ------------------------------------------------------

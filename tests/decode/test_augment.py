@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import numpy as np
 import pytest
 from PIL import Image
@@ -50,6 +51,37 @@ def test_kept_pixels_equal_the_textbook_resize_then_crop_bit_for_bit():
             orders[augment.pass_order()(w, h, nw, nh)] += 1
     # the cases reach both pass orders and the one-pass shortcuts
     assert min(orders.values()) > 20 and one_axis > 0, (orders, one_axis)
+
+
+def test_flipped_kept_pixels_equal_the_textbook_flip_bit_for_bit():
+    """The render flips with Pillow; the textbook reverses the numpy array."""
+    flipped = kept = 0
+    for i, w, h, geom, seed in _cases(300, seed=1):
+        geom = Geometry(geom.height, geom.width, geom.crop, flip=True)
+        img = _noise(w, h, i, "L" if i % 4 == 0 else "RGB")
+        want = resize_then_crop(img, geom, seed)
+        got = resize_crop(img, geom, seed)
+        assert got.shape == want.shape and np.array_equal(got, want), (w, h, geom)
+        assert got.flags.c_contiguous
+        if np.array_equal(got, resize_then_crop(img, attrs.evolve(geom, flip=False), seed)):
+            kept += 1
+        else:
+            flipped += 1
+    assert flipped > 100 and kept > 100, (flipped, kept)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32, bool])
+def test_mirrored_is_numpys_reversal_for_any_layout(dtype):
+    rng = np.random.default_rng(7)
+    values = rng.random((9, 13, 4)) * 200
+    base = values > 100 if dtype is bool else values.astype(dtype)
+    views = [base, base[..., 0], base[..., :3], base[..., 1:2], base[2:7, 3:11], base[:, :1],
+             base[::2, ::3, :3], base[:0], np.asfortranarray(base[..., :3])]
+    for arr in views:
+        got = augment.mirrored(arr)
+        assert got.flags.c_contiguous and got.dtype == arr.dtype
+        assert got.shape == arr.shape and np.array_equal(got, arr[:, ::-1]), arr.shape
+        assert not np.shares_memory(got, base)
 
 
 def test_grey_and_alpha_images_match_too():
