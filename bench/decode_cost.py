@@ -10,7 +10,10 @@ instead of simplejpeg (``ray_ingest.decode.jpeg``); ``whole`` also resizes the w
 before it crops (the textbook transform, ``augment.resize_then_crop``). All three give the
 same bytes.
 
-    .venv/bin/python bench/decode_cost.py [--images 8] [--repetitions 3]
+    .venv/bin/python bench/decode_cost.py [--images 8] [--repetitions 3] [--flip]
+
+``--flip``: random crops and ``decode.flip`` on (about half the samples flipped), to time the
+flip's share of a sample (compare two commits' runs).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", type=int, default=8, help="distinct images per case")
     p.add_argument("--repetitions", type=int, default=3, help="timed passes (median kept)")
+    p.add_argument("--flip", action="store_true", help="random crops, decode.flip on")
     args = p.parse_args(argv)
     print("command:", shlex.join([sys.executable, *sys.argv]))
     for label, w, h, res, bucket in CASES:
@@ -60,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                   for i in range(args.images)]
         cfg = DecodeConfig(resolution=res, buckets=(bucket,) if bucket else (),
                            caption_modality=None,
-                           max_image_pixels=10**9)
-        dec = Decoder(cfg)
+                           max_image_pixels=10**9,
+                           **({"crop": "random", "flip": True} if args.flip else {}))
+        dec = Decoder(cfg, seed=0)
         rows = [{"image": data, ext_column("image"): "jpg", "__sid__": 0, "__index__": i,
                  "__bucket__": bucket.replace(":", "_") if bucket else ""}
                 for i, data in enumerate(images)]
