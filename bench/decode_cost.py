@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                            caption_modality=None,
                            max_image_pixels=10**9,
                            **({"crop": "random", "flip": True} if args.flip else {}))
-        dec = Decoder(cfg, seed=0)
+        dec = Decoder(cfg)
         rows = [{"image": data, ext_column("image"): "jpg", "__sid__": 0, "__index__": i,
                  "__bucket__": bucket.replace(":", "_") if bucket else ""}
                 for i, data in enumerate(images)]

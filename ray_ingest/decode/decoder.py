@@ -50,7 +50,7 @@ from ray_ingest.decode import hook as hooks
 from ray_ingest.decode import jpeg
 from ray_ingest.decode.augment import (
     draft_for,
-    mirrored,
+    oriented,
     render,
     render_array,
 )
@@ -441,7 +441,7 @@ def _render_rgb(arr: np.ndarray, p: Placement) -> np.ndarray:
     if p.cover == (w, h):
         left, top, right, bottom = p.box
         out = arr[top:bottom, left:right, :3]
-        return mirrored(out) if p.flip else np.ascontiguousarray(out)
+        return oriented(out, p.flip)
     if arr.shape[2] == 4:
         # Pillow's own layout, mapped: allocating an image and unpacking RGB into it held the
         # GIL for ~7 % of a 512 px sample's decode and cost ~5 ms of a 4K one. From buffers:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ray_ingest.decode.augment import mirrored
+from ray_ingest.decode.augment import oriented
 from ray_ingest.decode.geometry import Placement
 
 
@@ -45,4 +45,4 @@ def render_torch(arr: np.ndarray, p: Placement) -> np.ndarray:
             arr = arr[..., 0]
     left, top, right, bottom = p.box
     kept = arr[top:bottom, left:right]
-    return mirrored(kept) if p.flip else np.ascontiguousarray(kept)
+    return oriented(kept, p.flip)

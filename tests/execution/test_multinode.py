@@ -218,13 +218,13 @@ def test_placement_by_label_and_train_node_loss(cluster, tmp_path, monkeypatch):
     first = [r["step"] for r in ledger[1][:ledger[1].index(starts[1][1])] if "keys" in r]
     assert len(resume) == 1 and 0 < min(resume) <= max(first), (resume, killed, max(first))
     assert min(resume) % cfg["train"]["checkpoint_every"] == 0
-    # decode actors and read tasks ran only on decode nodes (their own reports, per rank)
     # each rank's last attempt ended the epoch once; the first attempt of the surviving rank
     # may have ended it too when the dead node's worker took a while to go (a loaded machine):
     # the audit below rolls that back
     last = {r: [x for x in recs[recs.index(starts[r][-1]):] if x.get("event") == "epoch_end"]
             for r, recs in ledger.items()}
     assert {r: len(v) for r, v in last.items()} == {0: 1, 1: 1}, last
+    # decode actors and read tasks ran only on decode nodes (their own reports, per rank)
     ends = [x for recs in ledger.values() for x in recs if x.get("event") == "epoch_end"]
     for e in ends:
         assert e["decode_nodes"] and set(e["decode_nodes"]) <= decode_ids, e
