@@ -17,8 +17,14 @@ setup: $(STAMP)
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m ray_ingest.cli.main demo
 
+# Two pytest workers (pytest-xdist), whole files to each: each worker is one pytest session with
+# its own local Ray. On 2 cores one sequential session leaves ~40 % of the CPU idle while Ray and
+# TorchTrainers start (docs/benchmarks.md, "The test suite's time"). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q --durations=25 \
+		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Differential fuzzing, long budget: >= 10,000 examples per parser (the suite runs a bounded
 # share of the same tests); counts printed at the end and written to fuzz_figures.json.

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local Ray per session; GCS emulator fixtures live in fixtures_gcs."""
+"""Shared fixtures: one real local Ray per pytest session (``make test`` runs two sessions at
+once, pytest-xdist workers, each with its own); GCS emulator fixtures live in fixtures_gcs."""
 
 from __future__ import annotations
 
@@ -40,11 +41,12 @@ def _order(item) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run `cluster` tests (own `ray start`/`ray stop`) before anything starts the session Ray:
-    `ray stop` ends every Ray process on the machine. Then `multinode` tests, whose driver is
+    """Run `cluster` tests (own `ray start` heads, each ended by its process tree, never
+    `ray stop`) before anything starts the session Ray. Then `multinode` tests, whose driver is
     this process connected to a private multi-node cluster (one ray.init per process), so that
     they normally never meet the session Ray (tests/execution/test_multinode.py restores it
-    otherwise)."""
+    otherwise). Under pytest-xdist (``--dist loadfile``) every worker sorts alike and is handed
+    whole files in this order, so these long files start first."""
     items.sort(key=_order)
 
 
