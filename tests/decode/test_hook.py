@@ -5,6 +5,7 @@ line naming the sample and the hook."""
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -112,3 +113,19 @@ def test_an_unknown_hook_fails_when_the_decoder_is_built():
         Decoder(DecodeConfig(transform="tests.support.hooks:nope"))
     with pytest.raises(ImportError, match="cannot import no_such_module"):
         Decoder(DecodeConfig(transform="no_such_module:f"))
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_the_hook_may_write_into_every_array_it_gets(flip):
+    """Pillow-decoded images map read-only bytes: the hook gets arrays of its own, whichever
+    path decoded them, and torch.from_numpy on them does not warn."""
+    plain = DecodeConfig(resolution=32, crop="random", flip=flip)
+    hooked = DecodeConfig(resolution=32, crop="random", flip=flip,
+                          transform="tests.support.hooks:invert_in_place")
+    ref = Decoder(plain, seed=3)(block(range(6)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = Decoder(hooked, seed=3)(block(range(6)))
+    for name in ("image", "mask"):
+        np.testing.assert_array_equal(out[name], ref[name] - np.uint8(1))
+    np.testing.assert_array_equal(out["depth"], ref["depth"])

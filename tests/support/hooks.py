@@ -52,3 +52,12 @@ class Scale:
         sample["scaled_label"] = int(sample["label"]) * self.factor
         sample["crop_box"] = np.asarray(ctx.placement.box if ctx.placement else (0, 0, 0, 0))
         return sample
+
+
+def invert_in_place(sample, rng, ctx):
+    """Writes into every array it is given (as users do: ``out=``, ``torch.from_numpy``)."""
+    for value in sample.values():
+        if isinstance(value, np.ndarray) and value.dtype == np.uint8:
+            torch.from_numpy(value).neg_()  # uint8: 256 - v, in place, through torch
+            np.subtract(255, value, out=value, casting="unsafe")  # 255 - (256 - v) = v - 1
+    return sample
