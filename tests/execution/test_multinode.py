@@ -419,14 +419,18 @@ def test_decode_pool_grows_onto_new_node_and_survives_drain_and_kill(cluster, tm
 
 # --- 3. Object-store pressure: 100 MB stores, 48 MB decoded blocks ----------------------------
 
-@pytest.mark.parametrize("scope,pool_max", [("rank", 2), ("job", 1)])
-def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tmp_path, scope,
-                                                                    pool_max):
+@pytest.mark.parametrize("scope", ["rank", "job"])
+def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tmp_path, scope):
     """Decode nodes with 100 MB object stores and 48 MB decoded blocks (16 samples of 1024x1024
     RGB): Ray Data backpressure and plasma spilling/fallback absorb it. No node dies, no block is
     lost, every sample arrives once; peak use per node is reported against its limit. On the
     rank's own pool (one actor, two calls) and on the job's (one worker: the rank's window of
-    three calls queues on it, so the pressure lands on one node, as the rank pool's does)."""
+    three calls queues on it, so the pressure lands on one node, as the rank pool's does). One
+    actor in both: a second one, on the other node, would split the window between the nodes.
+
+    The trainer holds its first batch until a decode node has held two blocks at once: with a
+    fast trainer and decode slowed by a busy machine, each block was consumed and freed before
+    the next landed, so whether the pressure happened depended on the machine's load."""
     from ray_ingest.catalog.load import load_catalog
     from ray_ingest.config import config_from_dict
     from ray_ingest.decode.sizing import in_flight_bytes
@@ -440,7 +444,7 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
     synth_dataset(data, samples=samples, shard_size=48, seed=5, min_side=200, max_side=256)
     cfg = config_from_dict({
         "data": {"paths": [data]},
-        "decode": {"resolution": res, "pool_min": 1, "pool_max": pool_max, "num_cpus": 2.5,
+        "decode": {"resolution": res, "pool_min": 1, "pool_max": 1, "num_cpus": 2.5,
                    "label_selector": {"pool": "cpu-decode"}, "pool_scope": scope},
         "loader": {"head_start_batches": 0, "batch_size": 8, "read_workers": 1,
                    "read_num_cpus": 0.25,
@@ -450,9 +454,12 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
     catalog = load_catalog([data])
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1), catalog=catalog)
     seen = []
+    half = 0.5 * 100 * MB
     with StoreSampler(cluster, period_s=0.05) as sampler:
         for _, batches in loader.epochs(1):
             for batch in batches:
+                if not seen:  # the window decodes ahead while the trainer holds a block
+                    sampler.wait_used({i.node_id for i in small}, half, timeout_s=60)
                 assert batch["image"].shape[1:] == (res, res, 3)
                 seen += [(s, i) for s, i, p in zip(batch.sids, batch.indices, batch.pads,
                                                    strict=True) if not p]
@@ -465,7 +472,7 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
         # (spilled) or goes to filesystem-backed fallback allocations (fallback)
         assert peak["primary"] <= sampler.limits[node_id], (node_id, peak)
     # the pressure was real: some decode node filled at least half of its store
-    assert max(p["used"] for p in decoded.values()) >= 0.5 * 100 * MB, decoded
+    assert max(p["used"] for p in decoded.values()) >= half, decoded
     formula = in_flight_bytes(cfg, actors=len(loader.actors_seen))
     FIGURES[f"object_store_{scope}_pool"] = {
         "block_mb": round(block_rows * res * res * 3 / MB, 1),

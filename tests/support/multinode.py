@@ -207,6 +207,19 @@ class StoreSampler:
         self._thread.join()
         self._sample()  # final counters (spilled totals)
 
+    def peak_used(self, node_ids: set[str]) -> int:
+        """The highest store use seen on any of ``node_ids``."""
+        return max((p["used"] for nid, p in list(self.peak.items()) if nid in node_ids),
+                   default=0)
+
+    def wait_used(self, node_ids: set[str], at_least: int, timeout_s: float) -> int:
+        """Waits until one of ``node_ids`` has held ``at_least`` bytes (or the timeout); the
+        peak seen."""
+        deadline = time.monotonic() + timeout_s
+        while self.peak_used(node_ids) < at_least and time.monotonic() < deadline:
+            time.sleep(self.period_s)
+        return self.peak_used(node_ids)
+
     def _sample(self) -> None:
         for info in [self.cluster.head, *list(self.cluster.nodes.values())]:
             self.limits[info.node_id] = info.object_store_memory
