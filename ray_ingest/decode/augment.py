@@ -27,22 +27,20 @@ from ray_ingest.decode.geometry import (
     place,
     sample_seed,
 )
+from ray_ingest.decode.modalities import as_mode
 
-__all__ = ["Geometry", "bucket_shape", "draft_for", "mirrored", "oriented", "parse_bucket",
-           "render", "render_array", "resize_crop", "resize_then_crop", "sample_seed"]
+__all__ = ["Geometry", "as_image", "bucket_shape", "draft_for", "mirrored", "oriented",
+           "parse_bucket", "render", "render_array", "resize_crop", "resize_then_crop",
+           "sample_seed"]
 
 log = logging.getLogger(__name__)
-
-
-def _rgb(img: Image.Image) -> Image.Image:
-    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def _cover(img: Image.Image, geom: Geometry, rng_seed: int | None
            ) -> tuple[Image.Image, tuple[int, int], tuple[int, int, int, int]]:
     """RGB image, the size that covers ``geom`` (shorter side scaled) and the crop box in it."""
     p = place(img.size, geom, rng_seed, scalable=False)
-    return _rgb(img), p.cover, p.box
+    return as_mode(img), p.cover, p.box
 
 
 def resize_then_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = None
@@ -67,7 +65,7 @@ def resize_crop(img: Image.Image, geom: Geometry, rng_seed: int | None = None) -
 
     Bit for bit :func:`resize_then_crop`, resampling only what the crop keeps (:func:`render`).
     """
-    return render(_rgb(img), place(img.size, geom, rng_seed, scalable=False))
+    return render(as_mode(img), place(img.size, geom, rng_seed, scalable=False))
 
 
 def render(img: Image.Image, p: Placement) -> np.ndarray:
@@ -110,6 +108,13 @@ def oriented(arr: np.ndarray, flip: bool) -> np.ndarray:
     return mirrored(arr) if flip else np.ascontiguousarray(arr)
 
 
+def as_image(arr: np.ndarray, resample: str) -> bool:
+    """Whether :func:`render_array` resamples ``arr`` as the primary image is: ``bilinear`` on
+    uint8 grey or RGB (the torch resizer takes the same ones)."""
+    return (resample == "bilinear" and arr.dtype == np.uint8
+            and (arr.ndim == 2 or arr.shape[2] == 3))
+
+
 def render_array(arr: np.ndarray, p: Placement, resample: str = "nearest") -> np.ndarray:
     """Another image-like modality of the sample (any size of the same aspect, any dtype, 2-D
     or HWC) rendered by the primary image's placement: resized from its own size to
@@ -117,7 +122,7 @@ def render_array(arr: np.ndarray, p: Placement, resample: str = "nearest") -> np
     depth); ``bilinear`` resamples uint8 grey or RGB as the primary image is, other dtypes in
     float32, rounded back to integer dtypes."""
     h, w = arr.shape[:2]
-    if resample == "bilinear" and arr.dtype == np.uint8 and (arr.ndim == 2 or arr.shape[2] == 3):
+    if as_image(arr, resample):
         return render(Image.fromarray(np.ascontiguousarray(arr)), p)
     nw, nh = p.cover
     left, top, right, bottom = p.box

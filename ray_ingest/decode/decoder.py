@@ -49,6 +49,7 @@ from ray_ingest.config import DecodeConfig
 from ray_ingest.decode import hook as hooks
 from ray_ingest.decode import jpeg
 from ray_ingest.decode.augment import (
+    as_image,
     draft_for,
     oriented,
     render,
@@ -70,6 +71,7 @@ from ray_ingest.decode.modalities import (  # noqa: F401 - re-exported (tests, n
     IMAGE_SPECS,
     UNSAFE_EXTS,
     SampleError,
+    as_mode,
     caption_text,
     decode_value,
     load_array,
@@ -215,7 +217,7 @@ class Decoder:
         p = place(img.size, geom, seed, scalable=img.format == "JPEG")
         draft_for(img, geom)
         img.load()
-        return self._render_image(img if img.mode == "RGB" else img.convert("RGB"), p), p
+        return self._render_image(as_mode(img), p), p
 
     def _other(self, modality: str, data: bytes | None, ext: str | None,
                placement: Placement | None) -> Any:
@@ -240,8 +242,7 @@ class Decoder:
                 f"{modality}: {size[0]}x{size[1]} cannot be mapped onto the "
                 f"{cfg.image_modality} ({placement.source[0]}x{placement.source[1]}): another "
                 f"aspect ratio (decode.resample.{modality}: none keeps it unplaced)")
-        if (self.torch_resize and mode == "bilinear" and value.dtype == np.uint8
-                and (value.ndim == 2 or value.shape[2] == 3)):
+        if self.torch_resize and as_image(value, mode):
             return render_torch(value, placement)
         return render_array(value, placement, mode)
 

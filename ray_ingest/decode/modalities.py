@@ -131,12 +131,17 @@ def refuse_bomb(size: tuple[int, int], limit: int) -> None:
             "could be decompression bomb DOS attack.")
 
 
+def as_mode(img: Image.Image, mode: str = "RGB") -> Image.Image:
+    """``img`` in ``mode``: converted only when it is in another (no copy otherwise)."""
+    return img if img.mode == mode else img.convert(mode)
+
+
 def image_array(img: Image.Image, spec: str) -> np.ndarray:
     """A loaded image as the array its spec asks for (see module docstring)."""
     if spec == "rgb":
-        return np.asarray(img if img.mode == "RGB" else img.convert("RGB"))
+        return np.asarray(as_mode(img))
     if spec == "gray":
-        return np.asarray(img if img.mode == "L" else img.convert("L"))
+        return np.asarray(as_mode(img, "L"))
     mode = img.mode
     if mode in ("LA", "La", "PA"):
         img, mode = img.convert(mode[0]), mode[0]
@@ -144,7 +149,7 @@ def image_array(img: Image.Image, spec: str) -> np.ndarray:
         arr = np.asarray(img)
         dtype = _ONE_CHANNEL[mode]
         return arr if dtype is None or arr.dtype == dtype else arr.astype(dtype)
-    return np.asarray(img if mode == "RGB" else img.convert("RGB"))
+    return np.asarray(as_mode(img))
 
 
 def decode_value(data: bytes, ext: str, spec: str, allow_pickle: bool, max_pixels: int) -> Any:

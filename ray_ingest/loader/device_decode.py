@@ -39,7 +39,7 @@ import numpy as np
 from ray_ingest.decode import jpeg
 from ray_ingest.decode.augment import render
 from ray_ingest.decode.geometry import Placement, scaled
-from ray_ingest.decode.modalities import open_image
+from ray_ingest.decode.modalities import as_mode, open_image
 from ray_ingest.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def cpu_render(data: bytes, p: Placement, max_pixels: int) -> np.ndarray:
     if img.format == "JPEG" and p.scale > 1:
         img.draft("RGB", scaled(img.size, p.scale))
     img.load()
-    return render(img if img.mode == "RGB" else img.convert("RGB"), p)
+    return render(as_mode(img), p)
 
 
 def render_tensor(img: Any, p: Placement) -> Any:

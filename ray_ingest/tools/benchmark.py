@@ -81,10 +81,10 @@ def resize_torch_then_crop(img: Image.Image, geom: Geometry, rng_seed: int | Non
     """The textbook transform with torch's resize (``wds_dl_pw_torch``): what
     ``decode.resizer: torch`` computes, as a DataLoader user would write it."""
     from ray_ingest.decode.geometry import place
+    from ray_ingest.decode.modalities import as_mode
     from ray_ingest.decode.resize_torch import render_torch
 
-    rgb = img if img.mode == "RGB" else img.convert("RGB")
-    return render_torch(np.asarray(rgb), place(img.size, geom, rng_seed, scalable=False))
+    return render_torch(np.asarray(as_mode(img)), place(img.size, geom, rng_seed, scalable=False))
 
 
 def shard_urls(root: str, modality: str) -> list[str]:
