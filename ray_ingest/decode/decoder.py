@@ -285,7 +285,7 @@ class Decoder:
             epoch=self.epoch if epoch is None else int(epoch), repeat=int(bool(row.get(PAD))),
             seed=self.seed, placement=placement)
         try:
-            result = hooks.call(self.hook, dict(fields), ctx)
+            result = hooks.call(self.hook, fields, ctx)
         except Exception as exc:
             text = " ".join(str(exc).split())
             raise HookError(f"transform {self.hook_name} failed: {type(exc).__name__}: "

@@ -117,10 +117,11 @@ def _import(ref: str) -> Any:
 def call(hook: Hook, sample: dict[str, Any], ctx: SampleContext) -> dict[str, Any] | None:
     """``hook(sample, rng, ctx)`` with the sample's RNG and the global RNGs seeded from it.
 
-    Every array the hook gets is writable: a decoded image mapped from Pillow's bytes is
-    read-only, and a hook writing in place, or ``torch.from_numpy`` (which warns on read-only
-    arrays), would otherwise depend on which decode path the sample took. Only those are
-    copied (~0.05 ms at 256², ~1.4 ms at 2048²), outside the lock."""
+    The hook gets a dict of its own (``sample`` stays as it was) whose arrays are all
+    writable: a decoded image mapped from Pillow's bytes is read-only, and a hook writing in
+    place, or ``torch.from_numpy`` (which warns on read-only arrays), would otherwise depend
+    on which decode path the sample took. Only those are copied (~0.05 ms at 256², ~1.4 ms at
+    2048²), outside the lock."""
     sample = {k: _writable(v) for k, v in sample.items()}
     rng = sample_rng(ctx.seed, ctx.epoch, ctx.key, ctx.repeat)
     seeds = _global_seeds(ctx.seed, ctx.epoch, ctx.key, ctx.repeat)
