@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from tests.support import workers
+
 # gcsfs >= 2026 otherwise asks the Storage Control API (gRPC) for every bucket's layout and
 # stalls 60 s against the emulator. Must be set before gcsfs is imported.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -170,6 +172,15 @@ class FigureRecorder:
 @pytest.fixture(scope="session")
 def remote_figures() -> FigureRecorder:
     return FigureRecorder()
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    workers.send(session.config, "ray_ingest_remote_figures", _FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _FIGURES.extend(workers.received(node, "ray_ingest_remote_figures") or [])
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

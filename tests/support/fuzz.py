@@ -24,7 +24,10 @@ import signal
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.support import workers
 
 PROFILE_ENV = "RAY_INGEST_FUZZ"
 FIGURES_ENV = "RAY_INGEST_FUZZ_FIGURES"
@@ -76,6 +79,16 @@ def tally(parser: str, outcome: str) -> None:
 
 def counts() -> dict[str, dict[str, int]]:
     return {p: dict(sorted(c.items())) for p, c in sorted(_COUNTS.items())}
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    workers.send(session.config, "ray_ingest_fuzz_counts", counts())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    for parser, outcomes in (workers.received(node, "ray_ingest_fuzz_counts") or {}).items():
+        _COUNTS[parser].update(outcomes)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
