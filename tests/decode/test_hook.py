@@ -121,7 +121,7 @@ def test_the_hook_may_write_into_every_array_it_gets(flip):
     path decoded them, and torch.from_numpy on them does not warn."""
     plain = DecodeConfig(resolution=32, crop="random", flip=flip)
     hooked = DecodeConfig(resolution=32, crop="random", flip=flip,
-                          transform="tests.support.hooks:invert_in_place")
+                          transform="tests.support.hooks:minus_one_in_place")
     ref = Decoder(plain, seed=3)(block(range(6)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -54,7 +54,7 @@ class Scale:
         return sample
 
 
-def invert_in_place(sample, rng, ctx):
+def minus_one_in_place(sample, rng, ctx):
     """Writes into every array it is given (as users do: ``out=``, ``torch.from_numpy``)."""
     for value in sample.values():
         if isinstance(value, np.ndarray) and value.dtype == np.uint8:

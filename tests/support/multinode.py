@@ -212,13 +212,11 @@ class StoreSampler:
         return max((p["used"] for nid, p in list(self.peak.items()) if nid in node_ids),
                    default=0)
 
-    def wait_used(self, node_ids: set[str], at_least: int, timeout_s: float) -> int:
-        """Waits until one of ``node_ids`` has held ``at_least`` bytes (or the timeout); the
-        peak seen."""
+    def wait_used(self, node_ids: set[str], at_least: float, timeout_s: float) -> None:
+        """Waits until one of ``node_ids`` has held ``at_least`` bytes, or the timeout."""
         deadline = time.monotonic() + timeout_s
         while self.peak_used(node_ids) < at_least and time.monotonic() < deadline:
             time.sleep(self.period_s)
-        return self.peak_used(node_ids)
 
     def _sample(self) -> None:
         for info in [self.cluster.head, *list(self.cluster.nodes.values())]:
