@@ -29,8 +29,8 @@ from ray_ingest.decode.geometry import (
 )
 from ray_ingest.decode.modalities import as_mode
 
-__all__ = ["Geometry", "as_image", "bucket_shape", "draft_for", "mirrored", "oriented",
-           "parse_bucket", "render", "render_array", "resize_crop", "resize_then_crop",
+__all__ = ["Geometry", "bucket_shape", "draft_for", "mirrored", "oriented", "parse_bucket",
+           "render", "render_array", "resamples_as_image", "resize_crop", "resize_then_crop",
            "sample_seed"]
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def oriented(arr: np.ndarray, flip: bool) -> np.ndarray:
     return mirrored(arr) if flip else np.ascontiguousarray(arr)
 
 
-def as_image(arr: np.ndarray, resample: str) -> bool:
+def resamples_as_image(arr: np.ndarray, resample: str) -> bool:
     """Whether :func:`render_array` resamples ``arr`` as the primary image is: ``bilinear`` on
     uint8 grey or RGB (the torch resizer takes the same ones)."""
     return (resample == "bilinear" and arr.dtype == np.uint8
@@ -122,7 +122,7 @@ def render_array(arr: np.ndarray, p: Placement, resample: str = "nearest") -> np
     depth); ``bilinear`` resamples uint8 grey or RGB as the primary image is, other dtypes in
     float32, rounded back to integer dtypes."""
     h, w = arr.shape[:2]
-    if as_image(arr, resample):
+    if resamples_as_image(arr, resample):
         return render(Image.fromarray(np.ascontiguousarray(arr)), p)
     nw, nh = p.cover
     left, top, right, bottom = p.box

@@ -49,11 +49,11 @@ from ray_ingest.config import DecodeConfig
 from ray_ingest.decode import hook as hooks
 from ray_ingest.decode import jpeg
 from ray_ingest.decode.augment import (
-    as_image,
     draft_for,
     oriented,
     render,
     render_array,
+    resamples_as_image,
 )
 from ray_ingest.decode.geometry import (
     Geometry,
@@ -242,7 +242,7 @@ class Decoder:
                 f"{modality}: {size[0]}x{size[1]} cannot be mapped onto the "
                 f"{cfg.image_modality} ({placement.source[0]}x{placement.source[1]}): another "
                 f"aspect ratio (decode.resample.{modality}: none keeps it unplaced)")
-        if self.torch_resize and as_image(value, mode):
+        if self.torch_resize and resamples_as_image(value, mode):
             return render_torch(value, placement)
         return render_array(value, placement, mode)
 
