@@ -23,6 +23,12 @@ Where Ray's noise comes from, and what is done about it (the lines are verbatim 
 * ``(raylet) Task MapWorker(MapBatches(Decoder)).submit failed … killed by `ray.kill```: Ray Data
   killing the decode pool of an epoch the train loop stopped early (``max_steps``); dropped by
   an exact-message filter.
+* ``(TrainController) Failed to send resource request for train-… it's safe to ignore this
+  error`` followed by a ``GetTimeoutError`` traceback: Ray Train's controller asks its
+  autoscaling coordinator for resources with a 5 s timeout, which an overloaded machine misses
+  (seen once in a test run beside other tests). Ray calls it harmless when transient; the
+  message stays, its traceback is dropped (:class:`TracebackTrimmer`), so a persistent failure
+  still shows, in one line each time.
 
 Nothing here hides a warning or an error of ours, or any other line of Ray's.
 """
@@ -50,7 +56,18 @@ NOISE: tuple[re.Pattern[str], ...] = (
                r"retries remaining, so the task will be retried\. Error: The actor is dead "
                r"because it was killed by `ray\.kill`\."),
 )
+#: Ray's warnings that call themselves harmless when transient and come with a traceback
+#: (``logger.warning(..., exc_info=True)``): the message is kept, the traceback dropped.
+TRANSIENT: tuple[re.Pattern[str], ...] = (
+    re.compile(r"Failed to send resource request for \S+\. If this only happens transiently "
+               r"during network partition or CPU being overloaded, it's safe to ignore this "
+               r"error\."),
+    re.compile(r"Failed to cancel resource request for \S+\. The request will still expire "
+               r"after the timeout of \d+ seconds\."),
+)
 _PROGRESS_BARS_OFF = "Progress bars disabled. To enable, set"
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
 def is_noise(line: str) -> bool:
@@ -60,6 +77,44 @@ def is_noise(line: str) -> bool:
 
 def without_noise(lines: Iterable[str]) -> list[str]:
     return [line for line in lines if not is_noise(line)]
+
+
+class TracebackTrimmer:
+    """Drops the traceback that follows a :data:`TRANSIENT` message of the same process.
+
+    Ray forwards a process's output in batches of lines, and a message's traceback may arrive
+    in the next batch, so where each process is in a traceback is kept between calls. Only a
+    traceback that starts on the line right after such a message is dropped (with the chained
+    ones Python prints after it); any other line, a traceback of its own included, passes.
+    """
+
+    _EXPECT, _FRAMES, _AFTER = "expect", "frames", "after"
+
+    def __init__(self) -> None:
+        self._state: dict[tuple, str] = {}
+
+    def __call__(self, source: tuple, lines: Iterable[str]) -> list[str]:
+        state = self._state.pop(source, None)
+        kept: list[str] = []
+        for line in lines:
+            if state == self._EXPECT:
+                state = self._FRAMES if line.startswith(_TRACEBACK) else None
+            elif state == self._FRAMES:
+                # indented frame lines, then the exception's own line ends the traceback
+                state = self._FRAMES if line.startswith((" ", "\t")) else self._AFTER
+            elif state == self._AFTER:
+                # a chained exception: a blank line, its header, a blank line, its traceback
+                if line.startswith(_TRACEBACK):
+                    state = self._FRAMES
+                elif not (line.strip() == "" or line.startswith(_CHAINED)):
+                    state = None
+            if state is None:
+                kept.append(line)
+                if any(p.search(line) for p in TRANSIENT):
+                    state = self._EXPECT
+        if state is not None:
+            self._state[source] = state
+        return kept
 
 
 def dashboard_available() -> bool:
@@ -100,7 +155,8 @@ def embedded_ray_kwargs(num_cpus: int, env_vars: Mapping[str, str] | None = None
 
 
 def filter_driver_output() -> bool:
-    """Drop :data:`NOISE` lines from what Ray prints on this driver for its other processes.
+    """Drop :data:`NOISE` lines, and the tracebacks of :data:`TRANSIENT` ones, from what Ray
+    prints on this driver for its other processes.
 
     Both of Ray's paths to the driver's console, worker output (``log_to_driver``) and raylet
     error messages, end in ``ray._private.worker.print_worker_logs``; it is wrapped so that
@@ -117,10 +173,13 @@ def filter_driver_output() -> bool:
     if getattr(original, "_ray_ingest_filter", False):
         return True
 
+    trim = TracebackTrimmer()
+
     def print_worker_logs(data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         lines = data.get("lines") if isinstance(data, dict) else None
         if lines:
-            kept = without_noise(lines)
+            source = (data.get("ip"), data.get("pid"), data.get("is_err"))
+            kept = trim(source, without_noise(lines))
             if not kept:
                 return None
             if len(kept) != len(lines):

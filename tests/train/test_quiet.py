@@ -88,6 +88,66 @@ def test_driver_filter_drops_noise_from_both_of_rays_paths(monkeypatch):
     assert "PYTHON worker" not in text and len(text.splitlines()) == 1
 
 
+#: Ray Train's controller on an overloaded machine (verbatim from a test run's demo output,
+#: the site-packages path shortened): a warning that calls itself harmless, with a traceback.
+TRANSIENT_WARNING = [
+    "Failed to send resource request for train-74fceefc04a24f568fb6268e79759307. If this only "
+    "happens transiently during network partition or CPU being overloaded, it's safe to ignore "
+    "this error. If this error persists, file a GitHub issue.",
+    "Traceback (most recent call last):",
+    '  File "/venv/ray/train/v2/_internal/execution/scaling_policy/autoscaling_coordinator_'
+    'client.py", line 58, in send_resource_request',
+    "    ray.get(",
+    '  File "/venv/ray/_private/worker.py", line 3009, in get',
+    "    values, debugger_breakpoint = worker.get_objects(",
+    "                                  ^^^^^^^^^^^^^^^^^^^",
+    '  File "python/ray/includes/common.pxi", line 107, in ray._raylet.check_status',
+    "ray.exceptions.GetTimeoutError: Get timed out: some object(s) not ready.",
+]
+CHAINED = ["", "During handling of the above exception, another exception occurred:", "",
+           "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+           "RuntimeError: raised while handling it"]
+OTHER_TRACEBACK = ["Traceback (most recent call last):", '  File "ours.py", line 9, in f',
+                   "ValueError: a failure of ours"]
+
+
+def _printed(monkeypatch, batches):
+    """What the filtered ``print_worker_logs`` prints for ``batches`` of (pid, lines)."""
+    import ray._private.worker as ray_worker
+
+    monkeypatch.setattr(ray_worker, "_worker_logs_enabled", True, raising=False)
+    monkeypatch.setattr(ray_worker, "print_worker_logs", ray_worker.print_worker_logs)
+    assert quiet.filter_driver_output()
+    out = io.StringIO()
+    for pid, lines in batches:
+        ray_worker.print_worker_logs(
+            {"ip": "127.0.0.1", "pid": pid, "actor_name": "TrainController", "task_name": "",
+             "is_err": True, "localhost": "127.0.0.1", "lines": lines}, out)
+    return [re.sub(r"^.*pid=\d+\)\S* ", "", x) for x in out.getvalue().splitlines()]
+
+
+def test_a_transient_warning_keeps_its_line_and_loses_its_traceback(monkeypatch):
+    assert not quiet.is_noise(TRANSIENT_WARNING[0])
+    after = "[train] step 3 epoch 1 loss 0.05"
+    assert _printed(monkeypatch, [(7, [*TRANSIENT_WARNING, after])]) == [
+        TRANSIENT_WARNING[0], after]
+
+
+@pytest.mark.parametrize("cut", range(1, len(TRANSIENT_WARNING) + 1))
+def test_the_traceback_is_dropped_across_batches_and_others_pass(monkeypatch, cut):
+    """Cut anywhere; another process's traceback in between and one of its own afterwards
+    are printed whole."""
+    batches = [(7, TRANSIENT_WARNING[:cut]), (8, OTHER_TRACEBACK),
+               (7, TRANSIENT_WARNING[cut:] + CHAINED), (7, ["done", *OTHER_TRACEBACK])]
+    assert _printed(monkeypatch, [b for b in batches if b[1]]) == [
+        TRANSIENT_WARNING[0], *OTHER_TRACEBACK, "done", *OTHER_TRACEBACK]
+
+
+def test_only_a_traceback_right_after_the_warning_is_dropped(monkeypatch):
+    lines = [TRANSIENT_WARNING[0], "an unrelated line", *OTHER_TRACEBACK]
+    assert _printed(monkeypatch, [(7, lines)]) == lines
+
+
 def test_embedded_ray_gets_a_private_address_and_a_state_api(monkeypatch):
     monkeypatch.setattr(quiet, "dashboard_available", lambda: True)
     kw = quiet.embedded_ray_kwargs(4, {"A": "1"})
