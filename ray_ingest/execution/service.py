@@ -456,6 +456,16 @@ class DecodeService:
             if st is not None:  # None: restarting, or its node is gone (the node's state decides)
                 w.node = st["node"]
 
+    async def _came_up(self, w: _Worker) -> None:
+        """A new worker takes items as soon as it is up, not at the next control period (a
+        pool starting with its job waited up to :data:`CONTROL_S` for its first items). One
+        that cannot start is left to :meth:`_poll_workers`."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            node = await w.ready_ref
+            if not w.up and self.workers.get(w.wid) is w:
+                w.node, w.up = node, True
+                self._dispatch()
+
     def _forget(self, w: _Worker) -> None:
         """Out of the pool (its calls in flight fail at their ranks, which resubmit them); what
         it did stays in the job's totals."""
@@ -509,8 +519,11 @@ class DecodeService:
         for _ in range(target - held - pending):
             handle = self._remote.remote(self.cfg)
             wid = handle._actor_id.hex()
-            self.workers[wid] = _Worker(handle, wid, handle.ready.remote())
+            w = self.workers[wid] = _Worker(handle, wid, handle.ready.remote())
             self.started += 1
+            task = asyncio.ensure_future(self._came_up(w))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
         surplus = held + pending - target
         if surplus <= 0:
             return

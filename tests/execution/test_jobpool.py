@@ -167,6 +167,29 @@ def test_a_worker_decodes_its_calls_one_at_a_time_on_its_main_thread(ray_local, 
     ray.kill(worker)
 
 
+def test_a_new_worker_takes_items_as_soon_as_it_is_up(ray_local, dataset):
+    """Not at the controller's next control period: with a control loop that never ticks
+    after the join's, the pool's first worker still comes up and decodes a rank's item."""
+    import ray
+
+    from ray_ingest.execution.fairshare import step_key
+    from tests.support.controllers import NoTicks
+
+    cfg = _cfg(dataset)
+    catalog = load_catalog([dataset])
+    item = _items(cfg, catalog)[0]
+    svc = ray.remote(NoTicks).options(num_cpus=0).remote(cfg, 1, catalog.fingerprint)
+    try:
+        assert ray.get(svc.join.remote("c", 0, {"rank": "0"}), timeout=60) is not None
+        answer = ray.get(svc.submit.remote("c", step_key(item, cfg.loader.batch_size),
+                                           catalog.shard(item.sid), item), timeout=60)
+        blocks = ray.get(answer[0], timeout=60)
+        assert _rows(blocks) == _rows(LocalExecution(cfg, catalog, [item]).blocks())
+        assert len(ray.get(svc.stats.remote())["history"]) == 1  # the join's tick alone
+    finally:
+        ray.kill(svc)
+
+
 def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_local, dataset):
     import ray
 
