@@ -460,11 +460,13 @@ class DecodeService:
         """A new worker takes items as soon as it is up, not at the next control period (a
         pool starting with its job waited up to :data:`CONTROL_S` for its first items). One
         that cannot start is left to :meth:`_poll_workers`."""
-        with contextlib.suppress(ray.exceptions.RayError):
+        try:
             node = await w.ready_ref
-            if not w.up and self.workers.get(w.wid) is w:
-                w.node, w.up = node, True
-                self._dispatch()
+        except ray.exceptions.RayError:
+            return
+        if not w.up and self.workers.get(w.wid) is w:
+            w.node, w.up = node, True
+            self._dispatch()
 
     def _forget(self, w: _Worker) -> None:
         """Out of the pool (its calls in flight fail at their ranks, which resubmit them); what
