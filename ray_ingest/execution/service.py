@@ -401,7 +401,7 @@ class DecodeService:
 
     async def _tick(self) -> None:
         now = time.monotonic()
-        await self._poll_workers()
+        self._poll_workers()
         self._drop_lost_nodes()
         held = sum(1 for w in self.workers.values() if w.up and w.retired_at is None)
         pending = sum(1 for w in self.workers.values() if not w.up and w.retired_at is None)
@@ -429,18 +429,10 @@ class DecodeService:
     def _busy(self) -> float:
         return self.busy_total + sum(w.busy_s for w in self.workers.values())
 
-    async def _poll_workers(self) -> None:
-        """Workers that came up take items; the others' busy time and nodes. (Awaited, never a
-        blocking ``ray.wait``: that would hold up the ranks' calls.)"""
-        for w in [w for w in self.workers.values() if not w.up]:
-            ready, _ = ray.wait([w.ready_ref], timeout=0)
-            if not ready:
-                continue
-            try:
-                w.node = await w.ready_ref
-                w.up = True
-            except ray.exceptions.RayError:  # could not start: replaced by _resize
-                self._forget(w)
+    def _poll_workers(self) -> None:
+        """The up workers' nodes, and which died for good, from one stats call in flight each
+        (never a blocking ``ray.wait``: that would hold up the ranks' calls); new workers come
+        in through :meth:`_came_up`. Items a start floor held back go out here too."""
         self._dispatch()
         for w in [w for w in self.workers.values() if w.up]:
             # one stats call in flight per worker, never dropped: on a busy machine an answer
@@ -458,13 +450,15 @@ class DecodeService:
 
     async def _came_up(self, w: _Worker) -> None:
         """A new worker takes items as soon as it is up, not at the next control period (a
-        pool starting with its job waited up to :data:`CONTROL_S` for its first items). One
-        that cannot start is left to :meth:`_poll_workers`."""
+        pool starting with its job waited up to :data:`CONTROL_S` for its first items); one
+        that could not start leaves the pool (the next tick's :meth:`_resize` replaces it)."""
         try:
             node = await w.ready_ref
         except ray.exceptions.RayError:
+            if self.workers.get(w.wid) is w:
+                self._forget(w)
             return
-        if not w.up and self.workers.get(w.wid) is w:
+        if self.workers.get(w.wid) is w:  # still in the pool (a pending one may be dropped)
             w.node, w.up = node, True
             self._dispatch()
 
