@@ -70,9 +70,13 @@ _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
+def _matches(line: str, patterns: Iterable[re.Pattern[str]]) -> bool:
+    return any(p.search(line) for p in patterns)
+
+
 def is_noise(line: str) -> bool:
     """True for a line of one of the known-harmless Ray messages (:data:`NOISE`)."""
-    return any(p.search(line) for p in NOISE)
+    return _matches(line, NOISE)
 
 
 def without_noise(lines: Iterable[str]) -> list[str]:
@@ -110,7 +114,7 @@ class TracebackTrimmer:
                     state = None
             if state is None:
                 kept.append(line)
-                if any(p.search(line) for p in TRANSIENT):
+                if _matches(line, TRANSIENT):
                     state = self._EXPECT
         if state is not None:
             self._state[source] = state

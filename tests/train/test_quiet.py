@@ -69,12 +69,20 @@ def test_other_lines_are_kept(line):
     assert not quiet.is_noise(line)
 
 
-def test_driver_filter_drops_noise_from_both_of_rays_paths(monkeypatch):
+def _filtered_print(monkeypatch):
+    """Ray's ``print_worker_logs``, wrapped by the driver filter (restored after the test)."""
     import ray._private.worker as ray_worker
 
     monkeypatch.setattr(ray_worker, "_worker_logs_enabled", True, raising=False)
     monkeypatch.setattr(ray_worker, "print_worker_logs", ray_worker.print_worker_logs)
     assert quiet.filter_driver_output()
+    return ray_worker.print_worker_logs
+
+
+def test_driver_filter_drops_noise_from_both_of_rays_paths(monkeypatch):
+    import ray._private.worker as ray_worker
+
+    _filtered_print(monkeypatch)
     assert quiet.filter_driver_output()  # idempotent: wraps once
     assert ray_worker.print_worker_logs._ray_ingest_filter
     out = io.StringIO()
@@ -113,14 +121,10 @@ OTHER_TRACEBACK = ["Traceback (most recent call last):", '  File "ours.py", line
 
 def _printed(monkeypatch, batches):
     """What the filtered ``print_worker_logs`` prints for ``batches`` of (pid, lines)."""
-    import ray._private.worker as ray_worker
-
-    monkeypatch.setattr(ray_worker, "_worker_logs_enabled", True, raising=False)
-    monkeypatch.setattr(ray_worker, "print_worker_logs", ray_worker.print_worker_logs)
-    assert quiet.filter_driver_output()
+    print_worker_logs = _filtered_print(monkeypatch)
     out = io.StringIO()
     for pid, lines in batches:
-        ray_worker.print_worker_logs(
+        print_worker_logs(
             {"ip": "127.0.0.1", "pid": pid, "actor_name": "TrainController", "task_name": "",
              "is_err": True, "localhost": "127.0.0.1", "lines": lines}, out)
     return [re.sub(r"^.*pid=\d+\)\S* ", "", x) for x in out.getvalue().splitlines()]
