@@ -68,6 +68,15 @@ TRANSIENT: tuple[re.Pattern[str], ...] = (
 _PROGRESS_BARS_OFF = "Progress bars disabled. To enable, set"
 _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+#: The line that ends a traceback: ``module.ExceptionName: message`` (or the name alone).
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(:\s|:?$)")
+#: The summary Ray's log deduplication prints for a line other processes repeated
+#: (``ray._private.ray_logging.DedupState.formatted``: the line, then this, coloured).
+_REPEATED = re.compile(r"\s*(\x1b\[[\d;]*m)*\s*\[repeated \d+x across cluster\].*$")
+#: Ray's canonical form of a line for deduplication: words with digits or hex dropped.
+_NUMBERS = re.compile(r"(\d+|0x[0-9a-fA-F]+)")
+#: Dropped traceback lines remembered, to drop Ray's later repeat summaries of them.
+_REMEMBER = 256
 
 
 def _matches(line: str, patterns: Iterable[re.Pattern[str]]) -> bool:
@@ -90,22 +99,30 @@ class TracebackTrimmer:
     in the next batch, so where each process is in a traceback is kept between calls. Only a
     traceback that starts on the line right after such a message is dropped (with the chained
     ones Python prints after it); any other line, a traceback of its own included, passes.
+
+    Ray's log deduplication runs before this filter: a line another process printed a moment
+    ago (a ``Traceback`` header, a common frame) is taken out of the batch and printed later
+    as ``… [repeated Nx across cluster]``. So the traceback may start at a frame line, it ends
+    only at a line shaped like an exception (any other line is kept), and a repeat summary of
+    a line dropped here is dropped too.
     """
 
     _EXPECT, _FRAMES, _AFTER = "expect", "frames", "after"
 
     def __init__(self) -> None:
         self._state: dict[tuple, str] = {}
+        self._dropped: dict[str, None] = {}  # canonical lines, oldest first
 
     def __call__(self, source: tuple, lines: Iterable[str]) -> list[str]:
         state = self._state.pop(source, None)
         kept: list[str] = []
         for line in lines:
             if state == self._EXPECT:
-                state = self._FRAMES if line.startswith(_TRACEBACK) else None
+                state = self._FRAMES if line.startswith((_TRACEBACK, " ", "\t")) else None
             elif state == self._FRAMES:
                 # indented frame lines, then the exception's own line ends the traceback
-                state = self._FRAMES if line.startswith((" ", "\t")) else self._AFTER
+                if not line.startswith((" ", "\t")):
+                    state = self._AFTER if _EXCEPTION.match(line) else None
             elif state == self._AFTER:
                 # a chained exception: a blank line, its header, a blank line, its traceback
                 if line.startswith(_TRACEBACK):
@@ -113,12 +130,34 @@ class TracebackTrimmer:
                 elif not (line.strip() == "" or line.startswith(_CHAINED)):
                     state = None
             if state is None:
-                kept.append(line)
+                if not self._repeats_dropped(line):
+                    kept.append(line)
                 if _matches(line, TRANSIENT):
                     state = self._EXPECT
+            elif state != self._EXPECT:
+                self._remember(line)
         if state is not None:
             self._state[source] = state
         return kept
+
+    def _remember(self, line: str) -> None:
+        """A dropped line of the traceback's own (its frames and exception, not the lines
+        every traceback has)."""
+        key = _canonical(line)
+        if key and not line.startswith((_TRACEBACK, *_CHAINED)):
+            self._dropped.pop(key, None)
+            self._dropped[key] = None
+            if len(self._dropped) > _REMEMBER:
+                del self._dropped[next(iter(self._dropped))]
+
+    def _repeats_dropped(self, line: str) -> bool:
+        """Ray's repeat summary of a line dropped here."""
+        base, n = _REPEATED.subn("", line)
+        return n == 1 and _canonical(base) in self._dropped
+
+
+def _canonical(line: str) -> str:
+    return " ".join(w for w in line.split() if not _NUMBERS.search(w))
 
 
 def dashboard_available() -> bool:

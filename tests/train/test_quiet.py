@@ -152,6 +152,40 @@ def test_only_a_traceback_right_after_the_warning_is_dropped(monkeypatch):
     assert _printed(monkeypatch, [(7, lines)]) == lines
 
 
+def test_the_traceback_is_dropped_when_rays_deduplication_took_its_header(monkeypatch):
+    """Ray's log deduplication runs first: a ``Traceback`` header another process printed a
+    moment ago is not in the batch, so the traceback starts at a frame line."""
+    after = "[train] step 3 epoch 1 loss 0.05"
+    lines = [TRANSIENT_WARNING[0], *TRANSIENT_WARNING[2:], after]
+    assert _printed(monkeypatch, [(7, lines)]) == [TRANSIENT_WARNING[0], after]
+
+
+def test_rays_repeat_summary_of_a_dropped_line_is_dropped_and_others_pass(monkeypatch):
+    """The summary Ray prints later for a line that other processes repeated
+    (``DedupState.formatted``, verbatim colours): dropped when the line was one of the
+    transient traceback's, printed otherwise."""
+    from ray._private.ray_logging import DedupState
+
+    def summary(line):
+        return DedupState(0, 3, line, {}, {("127.0.0.1", 7)}).formatted()
+
+    frame, other = TRANSIENT_WARNING[4], OTHER_TRACEBACK[1]
+    got = _printed(monkeypatch, [(7, TRANSIENT_WARNING), (8, [summary(frame)]),
+                                 (8, [summary(other)]), (8, [summary(TRANSIENT_WARNING[1])])])
+    assert len(got) == 3 and got[0] == TRANSIENT_WARNING[0]
+    assert got[1].startswith(other) and "[repeated 3x across cluster]" in got[1]
+    # the header every traceback has is not remembered: its summary is printed
+    assert got[2].startswith(TRANSIENT_WARNING[1])
+
+
+def test_a_line_that_is_not_an_exception_ends_the_traceback_and_is_kept(monkeypatch):
+    """Ray's deduplication may also take the exception's own line: the next line of the
+    process that is not shaped like an exception is printed."""
+    after = "[train] step 3 epoch 1 loss 0.05"
+    lines = [*TRANSIENT_WARNING[:-1], after, "done"]
+    assert _printed(monkeypatch, [(7, lines)]) == [TRANSIENT_WARNING[0], after, "done"]
+
+
 def test_embedded_ray_gets_a_private_address_and_a_state_api(monkeypatch):
     monkeypatch.setattr(quiet, "dashboard_available", lambda: True)
     kw = quiet.embedded_ray_kwargs(4, {"A": "1"})
