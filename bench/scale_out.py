@@ -1016,7 +1016,6 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
             churn["kill"] = {"t": time.time(), "step": n, "nodes": len(victims)}
             for v in victims:
                 cluster.kill(v)
-            slot_events.append((time.time(), per_node * len(cluster.alive("decode"))))
         elif "kill" in churn and "add" not in churn and n >= args.sync_churn_at[1]:
             churn["add"] = {"t": time.time(), "step": n}
             for _ in range(args.sync_churn_nodes):
@@ -1024,7 +1023,10 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
         elif "add" in churn and "up" not in churn and \
                 len(cluster.alive("decode")) >= args.decode_nodes:
             churn["up"] = {"t": time.time(), "step": n}
-            slot_events.append((time.time(), per_node * len(cluster.alive("decode"))))
+        # each returning node's slots count from when it is up, not when the last one is
+        slots = per_node * len(cluster.alive("decode"))
+        if slots != slot_events[-1][1]:
+            slot_events.append((time.time(), slots))
     results = [r for rs in ray.get(refs) for r in rs]
     released = ray.get(barrier.progress.remote())
     ray.kill(barrier)
@@ -1049,6 +1051,8 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
         out["pool_history_tail"] = hist["history"][-40:]
         out["released_steps"] = len(released)
     out["churn"] = {k: {**v, "t": round(v["t"] - t0, 1)} for k, v in churn.items()}
+    if phase == "churn":
+        out["decode_slots"] = [(round(t - t0, 1), n) for t, n in slot_events]
     out["pool_stats"] = sorted({x for r in results for x in r["stats"]})[:3]
     return out
 

@@ -10,7 +10,10 @@ arrives at), then spends ``compute_s`` on its simulated step. Phases:
 * ``above``: capacity above demand: the step is ``above_ratio`` × the capacity's step time, so
   the pool should shrink to what the ranks keep busy and the ranks should not wait.
 * ``churn``: as ``below``, and ``churn_nodes`` decode nodes are killed (SIGKILL, a preemption)
-  after step ``churn_at[0]`` and as many fresh ones join after step ``churn_at[1]``.
+  after step ``churn_at[0]`` and as many fresh ones join after step ``churn_at[1]``. The
+  capacity counts each node's slots from when it is up (the phase's ``decode_slots``). The
+  ranks' windows hold items decoded before the kill, at the whole capacity, so over a short
+  phase (16 ranks: ~20 s) the efficiency may read a little above 1.
 
 Per phase: samples/s as synchronous steps (R × batch × steps over the time from step
 :data:`SKIP_STEPS` to the last: the items the ranks' windows hold for later steps are decoded
