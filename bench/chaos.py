@@ -7,8 +7,9 @@ The project's TorchTrainer job (:mod:`ray_ingest.train.job`, what ``jobs/train.p
 on a loopback multi-node Ray cluster (``tests/support/multinode.py``: a head with no CPUs, two
 ``pool: gpu-train`` nodes, two ``pool: cpu-decode`` nodes, each its own raylet and object store)
 with token authentication on, reading ``gs://`` twin tars from the GCS emulator through the
-fault-injecting proxy (``tests/support/faultproxy.py``), ``loader.on_error: skip``, decode actors
-of the rank's own pool on the decode nodes, checkpoints every 2 steps, ``max_failures: -1``.
+fault-injecting proxy (``tests/support/faultproxy.py``), ``loader.on_error: skip``, the job's
+decode pool (``decode.compute: actors``, the default ``pool_scope: job``: one controller, its
+workers on the decode nodes), checkpoints every 2 steps, ``max_failures: -1``.
 For ``--duration-s`` the main thread (the job runs in another) injects faults drawn from
 ``random.Random(seed)``:
 
