@@ -8,6 +8,7 @@ resubmit; the controller ends once no rank uses it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -378,20 +379,44 @@ def _completion_order(outer: dict) -> list:
 
 class _Ranks:
     """Ranks of one test talking to a controller directly: client ``c{rank}``, each step's
-    item submitted with key ``(0, step)``."""
+    item submitted with key ``(0, step)``. As a context manager, the ranks still joined at the
+    end leave and the controller is waited out: a failed test must not leave its controller
+    to the next test that names the same pool (it would get this one, sized for this job)."""
 
     def __init__(self, svc, catalog, items):
         self.svc, self.catalog, self.items = svc, catalog, items
+        self.joined: set[int] = set()
+
+    def __enter__(self) -> _Ranks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        if not self.joined:
+            return
+        with contextlib.suppress(ray.exceptions.RayError):
+            for rank in sorted(self.joined):
+                self.leave(rank)
+        deadline = time.monotonic() + 30  # it ends LINGER_S after its last rank left
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self.svc.stats.remote(), timeout=5)
+            except ray.exceptions.RayError:
+                return
+            time.sleep(0.2)
 
     def join(self, rank: int) -> None:
         import ray
 
         ray.get(self.svc.join.remote(f"c{rank}", rank, {"rank": str(rank)}))
+        self.joined.add(rank)
 
     def leave(self, rank: int) -> None:
         import ray
 
         ray.get(self.svc.leave.remote(f"c{rank}"))
+        self.joined.discard(rank)
 
     def stats(self) -> dict:
         import ray
@@ -436,34 +461,49 @@ def test_the_controller_hands_out_the_earliest_step_first_across_ranks(ray_local
 
     cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=0.03)  # 0.15 s per item
     catalog = load_catalog([dataset])
-    ranks = _Ranks(service.connect(cfg, 1, catalog.fingerprint), catalog, _items(cfg, catalog))
-    ranks.join(0)
-    ranks.wait_held(1)
-    outer = ranks.submit(0, range(6))
-    time.sleep(0.2)
-    ranks.join(1)
-    # what the worker got before rank 1 asked (two calls, a third once one finished): from
-    # rank 1's joining to its first item, rank 0's later steps wait at the controller
-    held = ranks.stats()["dispatched"]
-    outer |= ranks.submit(1, range(2))
-    order = _completion_order(outer)
-    # rank 1's steps 0 and 1 overtake rank 0's later steps; only what the worker held runs
-    # before them
-    first_of_1 = order.index((1, 0))
-    assert first_of_1 == held < 6 and order[first_of_1 + 1] == (1, 1), (held, order)
-    assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
-    ranks.join(2)
-    ranks.join(3)
-    outer = ranks.submit(2, range(4))
-    time.sleep(0.5)  # less than service.START_GRACE_S
-    outer |= ranks.submit(3, range(2))
-    assert _completion_order(outer) == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (2, 3)]
+    with _Ranks(service.connect(cfg, 1, catalog.fingerprint), catalog,
+                _items(cfg, catalog)) as ranks:
+        ranks.join(0)
+        ranks.wait_held(1)
+        outer = ranks.submit(0, range(6))
+        time.sleep(0.2)
+        ranks.join(1)
+        # what the worker got before rank 1 asked (two calls, a third once one finished):
+        # from rank 1's joining to its first item, rank 0's later steps wait at the controller
+        held = ranks.stats()["dispatched"]
+        outer |= ranks.submit(1, range(2))
+        order = _completion_order(outer)
+        # rank 1's steps 0 and 1 overtake rank 0's later steps; only what the worker held runs
+        # before them
+        first_of_1 = order.index((1, 0))
+        assert first_of_1 == held < 6 and order[first_of_1 + 1] == (1, 1), (held, order)
+        assert order[first_of_1 + 2:] == [(0, s) for s in range(first_of_1, 6)], order
+        _busy_ranks_and_gone(ranks, cfg, catalog, {0, 1}, 8)
+    # Items of 0.8 s (another controller): rank 3's step 1 must reach the controller before
+    # its step 0 is decoded to go before rank 2's step 2, and on a loaded machine two submits
+    # one after the other took longer than a 0.15 s item.
+    cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=0.16)
+    with _Ranks(service.connect(cfg, 1, catalog.fingerprint), catalog,
+                _items(cfg, catalog)) as ranks:
+        ranks.join(2)
+        ranks.wait_held(1)
+        ranks.join(3)  # its grace (START_GRACE_S) runs from here, not from the pool's start
+        outer = ranks.submit(2, range(4))
+        time.sleep(0.5)  # less than service.START_GRACE_S
+        outer |= ranks.submit(3, range(2))
+        assert _completion_order(outer) == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (2, 3)]
+        _busy_ranks_and_gone(ranks, cfg, catalog, {2, 3}, 6)
+
+
+def _busy_ranks_and_gone(ranks, cfg, catalog, busy: set[int], dispatched: int) -> None:
+    """The controller counted busy time for exactly ``busy`` ranks and ``dispatched`` calls;
+    once they leave, it ends."""
     deadline = time.monotonic() + 30  # the workers' busy time is read every control period
-    while set((stats := ranks.stats())["rank_busy_s"]) != {0, 1, 2, 3}:
+    while set((stats := ranks.stats())["rank_busy_s"]) != busy:
         assert time.monotonic() < deadline, stats["rank_busy_s"]
         time.sleep(0.2)
-    assert stats["dispatched"] == 14
-    for rank in range(4):
+    assert stats["dispatched"] == dispatched
+    for rank in sorted(busy):
         ranks.leave(rank)
     assert _gone(cfg, catalog)
 
@@ -480,32 +520,34 @@ def test_later_steps_wait_for_the_first_step_of_pipelines_still_to_come(ray_loca
     catalog = load_catalog([dataset])
     for pipelines, cost in ((2, 0.03), (3, 0.031)):  # another cost: another controller
         cfg = _cfg(dataset, pool_min=1, pool_max=1, sim_cost_s=cost)  # 0.15 s per item
-        ranks = _Ranks(service.connect(cfg, pipelines, catalog.fingerprint), catalog,
-                       _items(cfg, catalog))
-        ranks.join(0)
-        ranks.wait_held(pipelines)
-        t0 = time.monotonic()
-        outer = ranks.submit(0, range(4))
-        time.sleep(1.0)
-        # items handed to workers (one call running and one queued per worker at most): rank
-        # 0's look-ahead waits for rank 1's first item, then goes with it
-        alone = ranks.stats()["dispatched"]
-        ranks.join(1)
-        outer |= ranks.submit(1, [0])
-        with_first = ranks.stats()["dispatched"]
-        outer |= ranks.submit(1, [1])
-        order = _completion_order(outer)
-        waited = time.monotonic() - t0
-        if pipelines == 2:  # two calls a worker: rank 1's step 0 and rank 0's steps 1-3 at once
-            assert (alone, with_first) == (1, 5) and order[0] == (0, 0), (alone, with_first, order)
-            assert waited < service.START_WAIT_S, waited
-        else:
-            assert (alone, with_first) == (1, 2) and order[:2] == [(0, 0), (1, 0)], \
-                (alone, with_first, order)
-            # the other 4 items (0.15-0.3 s on 3 workers) ran once START_WAIT_S was over
-            assert service.START_WAIT_S <= waited < service.START_WAIT_S + 5.0, waited
-        for rank in range(2):  # the controller ends by itself, its workers with it
-            ranks.leave(rank)
+        with _Ranks(service.connect(cfg, pipelines, catalog.fingerprint), catalog,
+                    _items(cfg, catalog)) as ranks:
+            ranks.join(0)
+            ranks.wait_held(pipelines)
+            t0 = time.monotonic()
+            outer = ranks.submit(0, range(4))
+            time.sleep(1.0)
+            # items handed to workers (one call running and one queued per worker at most):
+            # rank 0's look-ahead waits for rank 1's first item, then goes with it
+            alone = ranks.stats()["dispatched"]
+            ranks.join(1)
+            outer |= ranks.submit(1, [0])
+            with_first = ranks.stats()["dispatched"]
+            outer |= ranks.submit(1, [1])
+            order = _completion_order(outer)
+            waited = time.monotonic() - t0
+            if pipelines == 2:
+                # two calls a worker: rank 1's step 0 and rank 0's steps 1-3 at once
+                assert (alone, with_first) == (1, 5) and order[0] == (0, 0), \
+                    (alone, with_first, order)
+                assert waited < service.START_WAIT_S, waited
+            else:
+                assert (alone, with_first) == (1, 2) and order[:2] == [(0, 0), (1, 0)], \
+                    (alone, with_first, order)
+                # the other 4 items (0.15-0.3 s on 3 workers) ran once START_WAIT_S was over
+                assert service.START_WAIT_S <= waited < service.START_WAIT_S + 5.0, waited
+            for rank in range(2):  # the controller ends by itself, its workers with it
+                ranks.leave(rank)
 
 
 def test_ranks_with_one_hook_callable_name_the_same_pool(dataset):
