@@ -210,8 +210,8 @@ class DecodeService:
         self._t0, self._t0_wall = time.monotonic(), time.time()
         self._empty_since: float | None = self._t0
         self._tasks: list[asyncio.Task] = []
-        #: One task per call on a worker, awaiting its end (held here: asyncio keeps only weak
-        #: references to tasks).
+        #: One task per call on a worker awaiting its end, and per starting worker awaiting
+        #: its start (:meth:`_keep`).
         self._pending: set[asyncio.Future] = set()
         self._ending = False
         self._remote = ray.remote(SharedDecodeWorker).options(**self._worker_options())
@@ -344,9 +344,14 @@ class DecodeService:
             w.inflight.append(e)
             e.fut.set_result(e.ref)
             self.dispatched += 1
-            task = asyncio.ensure_future(self._ended(w, e, ended))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            self._keep(self._ended(w, e, ended))
+
+    def _keep(self, coro: Any) -> None:
+        """Run ``coro`` as a task held in :attr:`_pending` until it ends (asyncio keeps only
+        weak references to tasks)."""
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     def _start_floor(self) -> tuple[int, int] | None:
         """While a rank that joined less than :data:`START_GRACE_S` ago has submitted nothing,
@@ -517,9 +522,7 @@ class DecodeService:
             wid = handle._actor_id.hex()
             w = self.workers[wid] = _Worker(handle, wid, handle.ready.remote())
             self.started += 1
-            task = asyncio.ensure_future(self._came_up(w))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            self._keep(self._came_up(w))
         surplus = held + pending - target
         if surplus <= 0:
             return
