@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 #: Exact messages of harmless Ray lines (matched anywhere in a line, Ray adds prefixes).
@@ -73,8 +73,6 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(:\s|:?$)")
 #: The summary Ray's log deduplication prints for a line other processes repeated
 #: (``ray._private.ray_logging.DedupState.formatted``: the line, then this, coloured).
 _REPEATED = re.compile(r"\s*(\x1b\[[\d;]*m)*\s*\[repeated \d+x across cluster\].*$")
-#: Ray's canonical form of a line for deduplication: words with digits or hex dropped.
-_NUMBERS = re.compile(r"(\d+|0x[0-9a-fA-F]+)")
 #: Dropped traceback lines remembered, to drop Ray's later repeat summaries of them.
 _REMEMBER = 256
 
@@ -109,7 +107,10 @@ class TracebackTrimmer:
 
     _EXPECT, _FRAMES, _AFTER = "expect", "frames", "after"
 
-    def __init__(self) -> None:
+    def __init__(self, canonical: Callable[[str], str]) -> None:
+        """``canonical``: the key Ray's deduplication gives a line (lines with equal keys are
+        one line to it)."""
+        self._canonical = canonical
         self._state: dict[tuple, str] = {}
         self._dropped: dict[str, None] = {}  # canonical lines, oldest first
 
@@ -143,7 +144,7 @@ class TracebackTrimmer:
     def _remember(self, line: str) -> None:
         """A dropped line of the traceback's own (its frames and exception, not the lines
         every traceback has)."""
-        key = _canonical(line)
+        key = self._canonical(line)
         if key and not line.startswith((_TRACEBACK, *_CHAINED)):
             self._dropped.pop(key, None)
             self._dropped[key] = None
@@ -153,11 +154,7 @@ class TracebackTrimmer:
     def _repeats_dropped(self, line: str) -> bool:
         """Ray's repeat summary of a line dropped here."""
         base, n = _REPEATED.subn("", line)
-        return n == 1 and _canonical(base) in self._dropped
-
-
-def _canonical(line: str) -> str:
-    return " ".join(w for w in line.split() if not _NUMBERS.search(w))
+        return n == 1 and self._canonical(base) in self._dropped
 
 
 def dashboard_available() -> bool:
@@ -208,6 +205,7 @@ def filter_driver_output() -> bool:
     """
     try:
         import ray._private.worker as ray_worker
+        from ray._private.ray_logging import _canonicalise_log_line
     except ImportError:
         return False
     original = getattr(ray_worker, "print_worker_logs", None)
@@ -216,7 +214,7 @@ def filter_driver_output() -> bool:
     if getattr(original, "_ray_ingest_filter", False):
         return True
 
-    trim = TracebackTrimmer()
+    trim = TracebackTrimmer(_canonicalise_log_line)
 
     def print_worker_logs(data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         lines = data.get("lines") if isinstance(data, dict) else None
