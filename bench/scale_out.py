@@ -1011,20 +1011,21 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
         if phase != "churn":
             continue
         n = len(ray.get(barrier.progress.remote()))
+        alive = cluster.alive("decode")  # one look at the nodes per poll
         if "kill" not in churn and n >= args.sync_churn_at[0]:
-            victims = cluster.alive("decode")[:args.sync_churn_nodes]
+            victims = alive[:args.sync_churn_nodes]
             churn["kill"] = {"t": time.time(), "step": n, "nodes": len(victims)}
             for v in victims:
                 cluster.kill(v)
+            alive = alive[len(victims):]
         elif "kill" in churn and "add" not in churn and n >= args.sync_churn_at[1]:
             churn["add"] = {"t": time.time(), "step": n}
             for _ in range(args.sync_churn_nodes):
                 cluster.add("decode", args.decode_cpus, args.object_store_mb * MB, wait=False)
-        elif "add" in churn and "up" not in churn and \
-                len(cluster.alive("decode")) >= args.decode_nodes:
+        elif "add" in churn and "up" not in churn and len(alive) >= args.decode_nodes:
             churn["up"] = {"t": time.time(), "step": n}
         # each returning node's slots count from when it is up, not when the last one is
-        slots = per_node * len(cluster.alive("decode"))
+        slots = per_node * len(alive)
         if slots != slot_events[-1][1]:
             slot_events.append((time.time(), slots))
     results = [r for rs in ray.get(refs) for r in rs]
