@@ -52,7 +52,13 @@ from ray_ingest.twintar.dataset import DatasetReport, finish_dataset, prepare_ou
 from ray_ingest.twintar.fsio import join_url
 from ray_ingest.twintar.layout import bucket_dir, pack_shards, shard_rel_path
 from ray_ingest.twintar.twin import INDEX, KEY, SHARD, ext_column
-from ray_ingest.twintar.writer import ShardInfo, ShardWriter, existing_shard
+from ray_ingest.twintar.writer import (
+    ShardInfo,
+    ShardWriter,
+    check_sample_key,
+    check_shard_path,
+    existing_shard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +124,21 @@ class _KeepSharding:
     bucket_column: str | None
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        return (batch.append_column(_OUT_LEAF, pa.array(_leaf_column(batch, self.bucket_column),
-                                                        pa.string()))
-                .append_column(_OUT_PATH, batch.column(SHARD).cast(pa.string()))
+        leaves = pa.array(_leaf_column(batch, self.bucket_column), pa.string())
+        paths = batch.column(SHARD).cast(pa.string())
+        _check_rows(paths.to_pylist(), batch.column(KEY).to_pylist())
+        return (batch.append_column(_OUT_LEAF, leaves)
+                .append_column(_OUT_PATH, paths)
                 .append_column(_OUT_POS, batch.column(INDEX).cast(pa.int64())))
+
+
+def _check_rows(paths: Sequence[str], keys: Sequence[Any]) -> None:
+    """The writer's path and key checks, run before the shuffle: a hostile row then fails the
+    write before any shard is written, and no write task outlives the error."""
+    for path in dict.fromkeys(paths):
+        check_shard_path(path)
+    for path, key in zip(paths, keys, strict=True):
+        check_sample_key(path, str(key))  # written as str (_pack_shard)
 
 
 def _payload_sizes(batch: pa.Table, modalities: Sequence[str]) -> pa.Array:
@@ -221,6 +238,7 @@ class _AssignPlanned:
                 "dataset must give the same rows each time it runs (materialize() it first)")
         for name in (_OUT_LEAF, _OUT_PATH, _OUT_POS):
             batch = batch.append_column(name, plan.column(name).take(idx))
+        _check_rows(batch.column(_OUT_PATH).to_pylist(), keys.to_pylist())
         return batch
 
 

@@ -60,6 +60,25 @@ _MODE = 0o644
 Members = Mapping[str, tuple[str, bytes]]
 
 
+def check_shard_path(path: str) -> None:
+    """Refuse a shard path that is not a relative ``*.tar`` inside its modality folder.
+
+    :class:`ShardWriter` checks it; so does ``write_twin_tars`` on every row before any shard
+    is written, so that a hostile row leaves no write task behind.
+    """
+    if not isinstance(path, str) or not path.endswith(".tar") or path.startswith("/"):
+        raise ConfigError(f"shard path: expected a relative '*.tar' path, got {path!r}")
+    check_rel_path(f"shard {path}", path)  # never a tar outside <leaf>/<modality>/
+
+
+def check_sample_key(path: str, key: str) -> None:
+    """Refuse a sample key that is an unsafe member name or that readers would see differently
+    (``path``: the shard, for the error)."""
+    if isinstance(key, str):
+        check_member_name(f"shard {path}: sample key", key)
+    check_key(key)
+
+
 def _tar_header(name: str, size: int) -> bytes:
     info = tarfile.TarInfo(name)
     info.size = size
@@ -161,9 +180,7 @@ class ShardWriter:
             raise ConfigError("modalities: expected at least one, got none")
         if len(set(modalities)) != len(modalities):
             raise ConfigError(f"modalities: expected distinct names, got {list(modalities)}")
-        if not path.endswith(".tar") or path.startswith("/"):
-            raise ConfigError(f"shard path: expected a relative '*.tar' path, got {path!r}")
-        check_rel_path(f"shard {path}", path)  # never a tar outside <leaf>/<modality>/
+        check_shard_path(path)
         for m in modalities:
             check_folder_name(f"shard {path}: modality", m)
         self.leaf = leaf
@@ -208,9 +225,7 @@ class ShardWriter:
         """
         if not self._streams:
             raise ConfigError(f"shard {self.path}: writer is not open")
-        if isinstance(key, str):
-            check_member_name(f"shard {self.path}: sample key", key)
-        check_key(key)
+        check_sample_key(self.path, key)
         if key in self._keys:
             raise ConfigError(f"shard {self.path}: duplicate sample key {key!r}")
         lacking = [m for m in self.modalities if m not in members]

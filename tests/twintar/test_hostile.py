@@ -314,8 +314,28 @@ def test_write_twin_tars_refuses_hostile_rows(ray_local, tmp_path, case):
                         num_cpus=0.25)
     text = str(info.value)
     assert "\n" not in text and words in text, text
+    # refused before the shuffle: no shard of the good rows either, now or later
+    assert not [p for p in out.rglob("*") if p.is_file()]
     assert tree(tmp_path.parent, skip=out) == before
     assert not Path("/tmp/ray_ingest_escaped.tar").exists()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("key", ["/tmp/escaped", "k\0x", "a.b"])
+def test_reshard_refuses_a_hostile_key_before_writing(ray_local, tmp_path, key):
+    import ray
+
+    from ray_ingest.datasets.write import write_twin_tars
+
+    # the good keys sort first: their shards come before the hostile one's
+    rows = [{"__key__": k, "image": b"img", "image__ext": "jpg"} for k in ("-0", "-1", key)]
+    out = tmp_path / "out"
+    with pytest.raises((UnsafeMemberError, ConfigError)) as info:
+        write_twin_tars(ray.data.from_items(rows), str(out), modalities=["image"],
+                        shard_size=1, part_size=0, num_cpus=0.25)
+    text = str(info.value)
+    assert "\n" not in text and repr(key) in text, text
+    assert not [p for p in out.rglob("*") if p.is_file()]
 
 
 # --- wdinfo data_list (and data_keys) ---------------------------------------------------------
