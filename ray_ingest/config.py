@@ -305,9 +305,10 @@ class LoaderConfig(PlanSettings):
     fused_read: bool = True
     #: Batches of an execution's first items that the consumer's own process reads and
     #: decodes while the decode actors start (ray_ingest.execution.headstart); the execution reads
-    #: the items after them. 0: off. Only with ordered delivery, and never with a
-    #: ``decode.label_selector`` (decoding is meant for those nodes then).
-    head_start_batches: int = attrs.field(default=2, validator=_at_least(0))
+    #: the items after them. 0: off. Only with ordered delivery. None (default): 2, or 0 with
+    #: a ``decode.label_selector`` (decoding is meant for those nodes then); a number set here
+    #: holds with a label selector too: the first batches then use the trainer's CPUs, once.
+    head_start_batches: int | None = attrs.field(default=None, validator=_opt_at_least(0))
     #: Logical CPUs this rank's Ray Data execution (``fused_read: false``) may use (read tasks
     #: + decode actors). None: an equal share of the cluster, its CPUs / the number of ranks.
     #: The rank's own pool ignores it (its CPUs: pool_max x decode.num_cpus).

@@ -82,10 +82,10 @@ class Executions:
             return self._custom(items)
         if self.compute == "threads":  # this process decodes: no Ray involved
             return ThreadedExecution(self.cfg, self.catalog, items, self.tags, self.threads)
-        lc = self.cfg.loader
-        if not (lc.head_start_batches and lc.ordered) or self.cfg.decode.label_selector:
+        batches = head_start_batches(self.cfg)
+        if not (batches and self.cfg.loader.ordered):
             return self._ray(items)
-        head, rest = split_head(items, lc.head_start_batches * lc.batch_size)
+        head, rest = split_head(items, batches * self.cfg.loader.batch_size)
         local = LocalExecution(self.cfg, self.catalog, head, self.tags)
         self.heads.append(HeadStart(local, self._ray(rest) if rest else None))
         return self.heads[-1]
@@ -117,6 +117,15 @@ class Executions:
 
         # a share of the cluster per pipeline
         return RayExecution(self.cfg, self.catalog, items, self.pipelines, self.tags, topo.rank)
+
+
+def head_start_batches(cfg: Config) -> int:
+    """``loader.head_start_batches`` resolved: the value set, else 2, or 0 where a
+    ``decode.label_selector`` puts decoding on other nodes (the user's placement wins unless
+    the user asked for a head start)."""
+    if cfg.loader.head_start_batches is not None:
+        return cfg.loader.head_start_batches
+    return 0 if cfg.decode.label_selector else 2
 
 
 def with_compute(cfg: Config, compute: str) -> Config:

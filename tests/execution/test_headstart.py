@@ -193,3 +193,17 @@ def test_close_mid_stream_stops_both_without_hanging(setup):
             t.name == HEAD_THREAD and t.is_alive() for t in threading.enumerate()):
         time.sleep(0.05)
     assert not any(t.name == HEAD_THREAD and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize(("decode", "loader", "batches"), [
+    ({}, {}, 2),                                                   # the default
+    ({"label_selector": {"pool": "cpu-decode"}}, {}, 0),           # decoding belongs there
+    ({"label_selector": {"pool": "cpu-decode"}}, {"head_start_batches": 1}, 1),  # asked for
+    ({}, {"head_start_batches": 0}, 0),
+    ({}, {"head_start_batches": 3}, 3),
+])
+def test_head_start_batches_resolve(decode, loader, batches):
+    from ray_ingest.execution.opener import head_start_batches
+
+    cfg = config_from_dict({"data": {"paths": ["/nowhere"]}, "decode": decode, "loader": loader})
+    assert head_start_batches(cfg) == batches
