@@ -808,6 +808,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-pool-max", type=int, default=1,
                    help="part 3: decode.pool_max per rank (the job pool holds up to R x it)")
     p.add_argument("--sync-hold-s", type=float, default=30.0, help="decode.scale_down_hold_s")
+    p.add_argument("--sync-head-start", type=int, default=0,
+                   help="part 3: loader.head_start_batches of the ranks and of the single "
+                        "rank on the whole capacity (their first batches decoded in the "
+                        "rank's own process despite decode.label_selector); 0: off")
     p.add_argument("--no-sync-prestart", dest="sync_prestart", action="store_false",
                    help="part 3: the first rank starts the pool (not the driver, before the "
                         "ranks: jobs/train.py's way)")
@@ -918,6 +922,7 @@ def sync_doc(args: argparse.Namespace, data: str, pool_max: int, sim_cost_s: flo
     doc = loader_doc(args, data, "actors", pool_max, None)
     doc["decode"].update(pool_min=1, pool_max=pool_max, sim_cost_s=sim_cost_s,
                          scale_down_hold_s=args.sync_hold_s)
+    doc["loader"]["head_start_batches"] = args.sync_head_start
     return doc
 
 
@@ -1070,8 +1075,9 @@ def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, w
     cat = load_catalog([data])
     cost = args.sim_cost_s * world / slots if fair else args.sim_cost_s
     doc = sync_doc(args, data, 1 if fair else slots, cost)
-    if fair:
+    if fair:  # the pool's share alone: a head start would decode at the scaled-up cost
         doc["decode"]["pool_max"] = 1
+        doc["loader"]["head_start_batches"] = 0
     import ray
 
     _decode_idle(cluster)
@@ -1083,6 +1089,7 @@ def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, w
     r = sync_run(args, cluster, [actor], doc, cat, 1, "single", 1, 0.0)
     ray.kill(actor)
     return {"fair_share": fair, "sim_cost_s": round(cost, 4), "pool_up_s": up,
+            "head_start_batches": doc["loader"]["head_start_batches"],
             "first_step_s": r.get("first_step_s"), "exact": r["exact_ranks"] == 1}
 
 
