@@ -1006,6 +1006,7 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
     slot_events = [(time.time(), per_node * len(cluster.alive("decode")))]
     churn: dict[str, Any] = {}
     hist = None
+    busy = _BusySampler()
     t0 = time.time()
     refs = [a.run_steps.remote(barrier, steps, compute_s) for a in actors]
     while True:
@@ -1033,6 +1034,7 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
         slots = per_node * len(alive)
         if slots != slot_events[-1][1]:
             slot_events.append((time.time(), slots))
+    busy.stop()
     results = [r for rs in ray.get(refs) for r in rs]
     released = ray.get(barrier.progress.remote())
     ray.kill(barrier)
@@ -1056,11 +1058,37 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
                                                 "reason", "dispatched", "ranks")}
         out["pool_history_tail"] = hist["history"][-40:]
         out["released_steps"] = len(released)
+    if released:  # how loaded this 2-core machine was until the first step (all ranks start)
+        out["machine_busy_cores_to_first_step"] = busy.cores(t0, min(released.values()))
     out["churn"] = {k: {**v, "t": round(v["t"] - t0, 1)} for k, v in churn.items()}
     if phase == "churn":
         out["decode_slots"] = [(round(t - t0, 1), n) for t, n in slot_events]
     out["pool_stats"] = sorted({x for r in results for x in r["stats"]})[:3]
     return out
+
+
+class _BusySampler:
+    """The machine's busy CPU seconds, sampled every ``period_s`` in a thread."""
+
+    def __init__(self, period_s: float = 0.1):
+        self.samples = [(time.time(), _machine_busy())]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            self.samples.append((time.time(), _machine_busy()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cores(self, t0: float, t1: float) -> float | None:
+        """Mean busy cores between the samples nearest ``t0`` and ``t1``."""
+        a = min(self.samples, key=lambda s: abs(s[0] - t0))
+        b = min(self.samples, key=lambda s: abs(s[0] - t1))
+        return round((b[1] - a[1]) / (b[0] - a[0]), 2) if b[0] > a[0] else None
 
 
 def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, world: int,
@@ -1093,7 +1121,8 @@ def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, w
         # end with it, their owner)
     return {"fair_share": fair, "sim_cost_s": round(cost, 4), "pool_up_s": up,
             "head_start_batches": doc["loader"]["head_start_batches"],
-            "first_step_s": r.get("first_step_s"), "exact": r["exact_ranks"] == 1}
+            "first_step_s": r.get("first_step_s"), "exact": r["exact_ranks"] == 1,
+            "machine_busy_cores_to_first_step": r.get("machine_busy_cores_to_first_step")}
 
 
 def sync_part(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str) -> dict:
@@ -1171,6 +1200,7 @@ def summarize_sync(sync: dict) -> dict:
             "first_step_s": med("first_step_s"),
             "first_step_over_single_fair": med("first_step_over_single_fair"),
             "first_step_over_single_whole": med("first_step_over_single_whole"),
+            "machine_busy_cores_to_first_step": med("machine_busy_cores_to_first_step"),
             "data_wait_share_median": med2("data_wait_share_of_step", "median"),
             "data_wait_share_max": med2("data_wait_share_of_step", "max"),
             "held_over_busy": med2("decode_cpus", "held_over_busy"),
