@@ -489,6 +489,49 @@ def test_small_object_stores_spill_or_backpressure_never_lose_blocks(cluster, tm
     }
 
 
+def test_a_head_start_set_with_a_label_selector_decodes_the_first_batch_here(cluster, tmp_path):
+    """Decode on labelled nodes turns the head start off unless the config sets it; set, the
+    rank's first batch is decoded in its own process (the head here) and the rest on the
+    decode nodes, and the delivered stream is the one without a head start."""
+    from ray_ingest.catalog.load import load_catalog
+    from ray_ingest.config import config_from_dict
+    from ray_ingest.loader.ingest import IngestLoader
+    from ray_ingest.plan.topology import Topology
+    from ray_ingest.tools.synth import synth_dataset
+
+    decode_ids = {i.node_id for i in decode_nodes(cluster, 2)}
+    data = str(tmp_path / "ds")
+    synth_dataset(data, samples=40, shard_size=16, seed=6, min_side=32, max_side=40)
+    catalog = load_catalog([data])
+
+    def stream(head_start: int | None) -> tuple[list, dict]:
+        loader_cfg = {"batch_size": 8, "read_workers": 1, "block_rows": 8, "seed": 2}
+        if head_start is not None:
+            loader_cfg["head_start_batches"] = head_start
+        cfg = config_from_dict({
+            "data": {"paths": [data]},
+            "decode": {"resolution": 32, "compute": "actors", "pool_min": 1, "pool_max": 1,
+                       "num_cpus": 0.5, "label_selector": {"pool": "cpu-decode"}},
+            "loader": loader_cfg})
+        loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1),
+                              catalog=catalog)
+        out = [(list(b.sids), list(b.indices), b["image"].numpy().tobytes())
+               for _, batches in loader.epochs(1) for b in batches]
+        return out, loader.metrics()
+
+    plain, unset = stream(None)
+    head, started = stream(1)
+    assert len(plain) == 5 and head == plain
+    assert unset["head_start_rows"] == 0  # a selector alone: no head start
+    assert 8 <= started["head_start_rows"] < 40  # the whole items holding one batch, here
+    assert set(unset["decode_nodes"]) <= decode_ids, unset["decode_nodes"]
+    # rows per node that decoded them: the head start's here, the rest on decode nodes
+    nodes = dict(started["decode_nodes"])
+    assert nodes.pop(cluster.head.node_id) == started["head_start_rows"], started
+    assert nodes and set(nodes) <= decode_ids, started["decode_nodes"]
+    assert sum(nodes.values()) == 40 - started["head_start_rows"]
+
+
 # --- 4. Autoscaler: fake multi-node provider with cluster.yaml's node types --------------------
 
 def test_autoscaler_launches_decode_node_for_labelled_demand_and_removes_it_idle(tmp_path):
