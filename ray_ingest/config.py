@@ -307,7 +307,8 @@ class LoaderConfig(PlanSettings):
     #: decodes while the decode actors start (ray_ingest.execution.headstart); the execution reads
     #: the items after them. 0: off. Only with ordered delivery. None (default): 2, or 0 with
     #: a ``decode.label_selector`` (decoding is meant for those nodes then); a number set here
-    #: holds with a label selector too: the first batches then use the trainer's CPUs, once.
+    #: holds with a label selector too: the first batches of each execution (the job's start,
+    #: a resume, each window of epochs) then use the trainer's CPUs.
     head_start_batches: int | None = attrs.field(default=None, validator=_opt_at_least(0))
     #: Logical CPUs this rank's Ray Data execution (``fused_read: false``) may use (read tasks
     #: + decode actors). None: an equal share of the cluster, its CPUs / the number of ranks.
