@@ -214,6 +214,8 @@ def _plan_reshard(ds: ray.data.Dataset, modalities: Sequence[str], bucket_column
                 out_path.append(path)
                 out_pos.append(pos)
         start = end
+    for key, path in zip(keys, out_path, strict=True):  # before any write task starts
+        check_sample_key(path, key)
     return pa.table({KEY: keys, _OUT_LEAF: out_leaf, _OUT_PATH: out_path,
                      _OUT_POS: pa.array(out_pos, pa.int64())})
 
@@ -238,7 +240,6 @@ class _AssignPlanned:
                 "dataset must give the same rows each time it runs (materialize() it first)")
         for name in (_OUT_LEAF, _OUT_PATH, _OUT_POS):
             batch = batch.append_column(name, plan.column(name).take(idx))
-        _check_rows(batch.column(_OUT_PATH).to_pylist(), keys.to_pylist())
         return batch
 
 
