@@ -952,6 +952,10 @@ def _decode_idle(cluster: Any, timeout_s: float = 90.0) -> None:
         time.sleep(0.5)
 
 
+#: Seconds between two looks at the job controller's stats during a phase.
+CONTROLLER_POLL_S = 5.0
+
+
 def _controller(name: str) -> dict | None:
     import ray
 
@@ -1003,15 +1007,23 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
     per_node = decode_slots(args, 1)
     barrier = ray.remote(StepBarrier).options(num_cpus=0, label_selector={"pool": "head"}).remote(
         world)  # on the head: decode nodes come and go
+    # up before the ranks start, as a job's process group is before its first step: its
+    # process's start (~1 CPU-s) is the harness's, not the ranks'
+    ray.get(barrier.progress.remote())
     slot_events = [(time.time(), per_node * len(cluster.alive("decode")))]
     churn: dict[str, Any] = {}
     hist = None
     busy = _BusySampler()
     t0 = time.time()
     refs = [a.run_steps.remote(barrier, steps, compute_s) for a in actors]
+    polled = 0.0
     while True:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-        hist = _controller(name) or hist
+        # the controller's history grows all phase: every few seconds (the driver's CPU is
+        # the ranks' too on this machine), and once the ranks are done (it ends
+        # LINGER_S after its last rank leaves)
+        if len(done) == len(refs) or time.monotonic() - polled >= CONTROLLER_POLL_S:
+            hist, polled = _controller(name) or hist, time.monotonic()
         if len(done) == len(refs):
             break
         if phase != "churn":
@@ -1060,6 +1072,7 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
         out["released_steps"] = len(released)
     if released:  # how loaded this 2-core machine was until the first step (all ranks start)
         out["machine_busy_cores_to_first_step"] = busy.cores(t0, min(released.values()))
+        out["cpu_s_to_first_step_by_kind"] = busy.cpu_by_kind(t0, min(released.values()))
     out["churn"] = {k: {**v, "t": round(v["t"] - t0, 1)} for k, v in churn.items()}
     if phase == "churn":
         out["decode_slots"] = [(round(t - t0, 1), n) for t, n in slot_events]
@@ -1070,17 +1083,34 @@ def sync_run(args: argparse.Namespace, cluster: Any, actors: list, doc: dict, ca
 class _BusySampler:
     """The machine's busy CPU seconds, sampled every ``period_s`` in a thread: a time series,
     because the first step's time is known only after the phase (:class:`ProcSampler`'s marks
-    are snapshots taken when called, and it walks every process: too heavy at 0.1 s)."""
+    are snapshots taken when called). Every ``kinds_every``-th sample also walks this cluster's
+    processes (:class:`ProcSampler`, too heavy for every 0.1 s) for CPU seconds per kind."""
 
-    def __init__(self, period_s: float = 0.1):
+    def __init__(self, period_s: float = 0.1, kinds_every: int = 5):
         self.samples = [(time.time(), _machine_busy())]
+        self._procs = ProcSampler()
+        self.kinds: list[tuple[float, dict[str, float]]] = []
+        self._kinds_sample()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(period_s, kinds_every),
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, period_s: float) -> None:
+    def _kinds_sample(self) -> None:
+        ps = self._procs
+        ps.sample()
+        by: dict[str, float] = collections.defaultdict(float)
+        for pid, cpu in ps.cpu.items():  # ended processes keep their last sample
+            by[ps.kind.get(pid, "?")] += cpu
+        self.kinds.append((time.time(), dict(by)))
+
+    def _run(self, period_s: float, kinds_every: int) -> None:
+        n = 0
         while not self._stop.wait(period_s):
             self.samples.append((time.time(), _machine_busy()))
+            n += 1
+            if n % kinds_every == 0:
+                self._kinds_sample()
 
     def stop(self) -> None:
         self._stop.set()
@@ -1091,6 +1121,15 @@ class _BusySampler:
         a = min(self.samples, key=lambda s: abs(s[0] - t0))
         b = min(self.samples, key=lambda s: abs(s[0] - t1))
         return round((b[1] - a[1]) / (b[0] - a[0]), 2) if b[0] > a[0] else None
+
+    def cpu_by_kind(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds per process kind between the walks nearest ``t0`` and ``t1`` (this
+        cluster's processes; the driver's includes this sampler), the largest first."""
+        a = min(self.kinds, key=lambda s: abs(s[0] - t0))[1]
+        b = min(self.kinds, key=lambda s: abs(s[0] - t1))[1]
+        out = {k: round(v - a.get(k, 0.0), 2) for k, v in b.items()}
+        return dict(sorted(((k, v) for k, v in out.items() if v >= 0.01),
+                           key=lambda kv: -kv[1]))
 
 
 def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, world: int,
@@ -1124,7 +1163,8 @@ def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, w
     return {"fair_share": fair, "sim_cost_s": round(cost, 4), "pool_up_s": up,
             "head_start_batches": doc["loader"]["head_start_batches"],
             "first_step_s": r.get("first_step_s"), "exact": r["exact_ranks"] == 1,
-            "machine_busy_cores_to_first_step": r.get("machine_busy_cores_to_first_step")}
+            "machine_busy_cores_to_first_step": r.get("machine_busy_cores_to_first_step"),
+            "cpu_s_to_first_step_by_kind": r.get("cpu_s_to_first_step_by_kind")}
 
 
 def sync_part(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str) -> dict:
