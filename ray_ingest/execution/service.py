@@ -14,7 +14,8 @@ decode actors that every rank of a job draws from, and the controller that feeds
   for stays pending: demand the autoscaler sees), retires workers (no more items, killed once
   empty), kills the workers of a dead node (their ranks submit those items again at once),
   exports the job's and each rank's target and busy decode CPUs as Ray metrics, and ends
-  itself, with its workers, :data:`LINGER_S` after its last rank left.
+  itself, with its workers, :data:`LINGER_S` after its last rank left (or, pre-started,
+  :data:`PRESTART_WAIT_S` after its start if no rank came).
 * :class:`SharedDecodeWorker`: a decode actor (``decode.num_cpus``, ``decode.label_selector``)
   decoding one item at a time on its main thread (the second it holds queued behind it).
 
@@ -71,6 +72,11 @@ RETIRE_MAX_S = 60.0
 #: The controller ends (its workers with it) after this long without a rank (seconds): longer
 #: than the gap between two windows of a loader, short enough not to hold CPUs after a run.
 LINGER_S = 3.0
+#: A pool the driver pre-started ends (its workers with it) if no rank joined within this many
+#: seconds: ranks that never come (Ray Train waiting for GPU nodes, a failed start, a stream
+#: the ranks' head starts served whole) must not hold its decode CPUs for the driver's
+#: lifetime. Ranks that come later start a new pool (as without a pre-start).
+PRESTART_WAIT_S = 300.0
 #: Seconds the exported busy CPUs are averaged over.
 EXPORT_WINDOW_S = 5.0
 #: Controller samples kept for :meth:`DecodeService.stats` (one per control period).
@@ -208,7 +214,8 @@ class DecodeService:
         self.started = self.retired = self.lost = self.dispatched = self.completed = 0
         self.submitted = 0
         self._t0, self._t0_wall = time.monotonic(), time.time()
-        self._empty_since: float | None = self._t0
+        #: When the controller ends unless a rank joins (monotonic; None: ranks are here).
+        self._end_at: float | None = self._t0 + LINGER_S
         self._tasks: list[asyncio.Task] = []
         #: One task per call on a worker awaiting its end, and per starting worker awaiting
         #: its start (:meth:`_keep`).
@@ -241,15 +248,20 @@ class DecodeService:
         if old is not None:
             self.wait_left += old.wait_s
         self.ranks[client] = _Rank(rank, dict(tags))
-        return await self.prestart()  # the first workers start now, not a period later
+        self._end_at = None
+        return await self._start()  # the first workers start now, not a period later
 
-    async def prestart(self) -> dict[str, Any]:
+    async def prestart(self, wait_s: float = PRESTART_WAIT_S) -> dict[str, Any]:
         """Start the pool before any rank asks (the job's driver, while Ray Train starts its
-        workers): it stays until its ranks have come and gone."""
+        workers): it stays until its ranks have come and gone, or ``wait_s`` if none comes."""
+        if not self.ranks:
+            self._end_at = time.monotonic() + wait_s
+        return await self._start()
+
+    async def _start(self) -> dict[str, Any]:
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._run())]
-        self._empty_since = None
         if self.sizer.target is None:
             await self._tick()
         return self._view()
@@ -303,7 +315,7 @@ class DecodeService:
         if r is not None:
             self.wait_left += r.wait_s
         if not self.ranks:
-            self._empty_since = time.monotonic()
+            self._end_at = time.monotonic() + LINGER_S
 
     def _view(self) -> dict[str, Any]:
         up = sum(1 for w in self.workers.values() if w.up and w.retired_at is None)
@@ -392,8 +404,7 @@ class DecodeService:
         while True:
             await asyncio.sleep(CONTROL_S)
             await self._tick()
-            if (self._empty_since is not None
-                    and time.monotonic() - self._empty_since >= LINGER_S):
+            if self._end_at is not None and time.monotonic() >= self._end_at:
                 self._ending = True  # joins and submits now answer None: a new controller
                 for _, _, e in self.queue:
                     if not e.fut.done():
@@ -585,12 +596,13 @@ async def _awaited(ref: Any) -> Any:
         return None
 
 
-def prestart(cfg: Config, pipelines: int, dataset: str) -> Any:
+def prestart(cfg: Config, pipelines: int, dataset: str,
+             wait_s: float = PRESTART_WAIT_S) -> Any:
     """Start the job's decode pool now, from the job's driver (its workers start while Ray
-    Train starts the ranks); returns the controller. It lives as long as the driver, or until
-    its ranks have come and gone."""
+    Train starts the ranks); returns the controller. It lives until its ranks have come and
+    gone, or ``wait_s`` if none comes (at the latest as long as the driver)."""
     handle = connect(cfg, pipelines, dataset)
-    ray.get(handle.prestart.remote())
+    ray.get(handle.prestart.remote(wait_s))
     return handle
 
 

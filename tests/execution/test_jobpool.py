@@ -358,6 +358,40 @@ def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
     assert _gone(cfg, catalog)
 
 
+def test_a_prestarted_pool_no_rank_comes_to_ends_with_its_workers(ray_local, dataset):
+    """A pool the driver pre-started holds its workers while it waits for its ranks; if none
+    comes within its wait, it ends with them (not as late as the driver), and a rank that
+    comes afterwards starts a new pool and gets its rows."""
+    import ray
+
+    from ray_ingest.execution import service
+    from ray_ingest.loader.ingest import IngestLoader
+
+    cfg = _cfg(dataset, sim_cost_s=0.0015)  # a pool of its own (the name hashes the config)
+    catalog = load_catalog([dataset])
+
+    def free_cpus() -> float:
+        return ray.available_resources().get("CPU", 0.0)
+
+    def until(cond) -> bool:
+        deadline = time.monotonic() + 30
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return cond()
+
+    before, t0 = free_cpus(), time.monotonic()
+    handle = service.prestart(cfg, 1, catalog.fingerprint, wait_s=3.0)
+    stats = ray.get(handle.stats.remote())
+    assert stats["ranks"] == 0 and stats["started"] == 2  # pool_max 2 x 1 pipeline
+    assert until(lambda: free_cpus() <= before - 0.5)  # its 2 workers hold 0.25 CPU each
+    assert _gone(cfg, catalog)
+    assert time.monotonic() - t0 >= 3.0
+    assert until(lambda: free_cpus() >= before)  # its workers ended with it
+    loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1), catalog=catalog)
+    assert sum(len(b.sids) for _, bs in loader.epochs(1) for b in bs) == 80
+    assert _gone(cfg, catalog)
+
+
 def _completion_order(outer: dict) -> list:
     """The order in which the workers finished the submitted items: polled every 10 ms (an
     item takes 0.15 s), resolving the controller's answers (the results' refs) as they come."""
