@@ -1158,8 +1158,8 @@ def single_rank(args: argparse.Namespace, cluster: Any, remote: Any, tmp: str, w
     r = sync_run(args, cluster, [actor], doc, cat, 1, "single", 1, 0.0)
     ray.kill(actor)
     if started is not None:  # a head start may have served the whole batch: no rank came to
-        ray.kill(started[1])  # the pre-started pool, which waits for its ranks (its workers
-        # end with it, their owner)
+        ray.kill(started[1])  # the pre-started pool, which would hold its workers for
+        # service.PRESTART_WAIT_S (they end with it, their owner)
     return {"fair_share": fair, "sim_cost_s": round(cost, 4), "pool_up_s": up,
             "head_start_batches": doc["loader"]["head_start_batches"],
             "first_step_s": r.get("first_step_s"), "exact": r["exact_ranks"] == 1,
