@@ -363,6 +363,7 @@ def test_a_prestarted_pool_no_rank_comes_to_ends_with_its_workers(ray_local, dat
     comes within its wait, it ends with them (not as late as the driver), and a rank that
     comes afterwards starts a new pool and gets its rows."""
     import ray
+    from ray._private import state
 
     from ray_ingest.execution import service
     from ray_ingest.loader.ingest import IngestLoader
@@ -370,8 +371,10 @@ def test_a_prestarted_pool_no_rank_comes_to_ends_with_its_workers(ray_local, dat
     cfg = _cfg(dataset, sim_cost_s=0.0015)  # a pool of its own (the name hashes the config)
     catalog = load_catalog([dataset])
 
-    def free_cpus() -> float:
-        return ray.available_resources().get("CPU", 0.0)
+    def workers() -> dict[str, str]:
+        """This Ray session's decode workers, by actor id: their state (the GCS's table)."""
+        return {a["ActorID"]: a["State"] for a in state.actors().values()
+                if a["ActorClassName"] == "SharedDecodeWorker"}
 
     def until(cond) -> bool:
         deadline = time.monotonic() + 30
@@ -379,14 +382,16 @@ def test_a_prestarted_pool_no_rank_comes_to_ends_with_its_workers(ray_local, dat
             time.sleep(0.1)
         return cond()
 
-    before, t0 = free_cpus(), time.monotonic()
-    handle = service.prestart(cfg, 1, catalog.fingerprint, wait_s=3.0)
+    before, t0 = set(workers()), time.monotonic()
+    handle = service.prestart(cfg, 1, catalog.fingerprint, wait_s=5.0)
     stats = ray.get(handle.stats.remote())
     assert stats["ranks"] == 0 and stats["started"] == 2  # pool_max 2 x 1 pipeline
-    assert until(lambda: free_cpus() <= before - 0.5)  # its 2 workers hold 0.25 CPU each
+    assert until(lambda: len(set(workers()) - before) == 2)  # registered (asynchronously)
+    mine = set(workers()) - before
+    assert all(workers()[w] != "DEAD" for w in mine)
     assert _gone(cfg, catalog)
-    assert time.monotonic() - t0 >= 3.0
-    assert until(lambda: free_cpus() >= before)  # its workers ended with it
+    assert time.monotonic() - t0 >= 5.0
+    assert until(lambda: all(workers()[w] == "DEAD" for w in mine))  # they ended with it
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1), catalog=catalog)
     assert sum(len(b.sids) for _, bs in loader.epochs(1) for b in bs) == 80
     assert _gone(cfg, catalog)
