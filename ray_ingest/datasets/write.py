@@ -214,8 +214,7 @@ def _plan_reshard(ds: ray.data.Dataset, modalities: Sequence[str], bucket_column
                 out_path.append(path)
                 out_pos.append(pos)
         start = end
-    for key, path in zip(keys, out_path, strict=True):  # before any write task starts
-        check_sample_key(path, key)
+    _check_rows(out_path, keys)  # before any write task starts
     return pa.table({KEY: keys, _OUT_LEAF: out_leaf, _OUT_PATH: out_path,
                      _OUT_POS: pa.array(out_pos, pa.int64())})
 
