@@ -65,15 +65,25 @@ def _service(cfg, catalog):
     return ray.get_actor(service_name(cfg, catalog.fingerprint))
 
 
-def _gone(cfg, catalog, timeout=30.0) -> bool:
+def _until(cond, timeout=30.0, period=0.1) -> bool:
+    """Whether ``cond()`` came true within ``timeout`` seconds (polled every ``period``)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(period)
+    return True
+
+
+def _gone(cfg, catalog, timeout=30.0) -> bool:
+    def gone() -> bool:
         try:
             _service(cfg, catalog)
         except ValueError:
             return True
-        time.sleep(0.2)
-    return False
+        return False
+
+    return _until(gone, timeout, 0.2)
 
 
 def test_two_ranks_share_one_pool_and_get_their_rows_in_order(ray_local, dataset):
@@ -376,22 +386,16 @@ def test_a_prestarted_pool_no_rank_comes_to_ends_with_its_workers(ray_local, dat
         return {a["ActorID"]: a["State"] for a in state.actors().values()
                 if a["ActorClassName"] == "SharedDecodeWorker"}
 
-    def until(cond) -> bool:
-        deadline = time.monotonic() + 30
-        while not cond() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return cond()
-
     before, t0 = set(workers()), time.monotonic()
     handle = service.prestart(cfg, 1, catalog.fingerprint, wait_s=5.0)
     stats = ray.get(handle.stats.remote())
     assert stats["ranks"] == 0 and stats["started"] == 2  # pool_max 2 x 1 pipeline
-    assert until(lambda: len(set(workers()) - before) == 2)  # registered (asynchronously)
+    assert _until(lambda: len(set(workers()) - before) == 2)  # registered (asynchronously)
     mine = set(workers()) - before
     assert all(workers()[w] != "DEAD" for w in mine)
     assert _gone(cfg, catalog)
     assert time.monotonic() - t0 >= 5.0
-    assert until(lambda: all(workers()[w] == "DEAD" for w in mine))  # they ended with it
+    assert _until(lambda: all(workers()[w] == "DEAD" for w in mine))  # they ended with it
     loader = IngestLoader(cfg, Topology(world_size=1, rank=0, read_workers=1), catalog=catalog)
     assert sum(len(b.sids) for _, bs in loader.epochs(1) for b in bs) == 80
     assert _gone(cfg, catalog)
