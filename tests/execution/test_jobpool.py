@@ -218,8 +218,12 @@ def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_loca
                 first_wait = loader.clock.wait  # the pool's start-up
             seen += list(zip(b.sids, b.indices, strict=True))
             time.sleep(0.25)  # the train step: this rank is trainer-bound
-            if len(seen) == 80:  # the last batch, ~5 s: past hold_s, still consuming
-                stats = ray.get(_service(cfg, catalog).stats.remote())
+            if len(seen) == 80:  # the last batch (~5 s in): the rank still holds it, asking
+                # for nothing, until the pool has shrunk (at most 30 s): its four workers may
+                # take ~3 s to start on a loaded machine, and the shrink's hold starts after
+                service = _service(cfg, catalog)
+                _until(lambda s=service: ray.get(s.stats.remote())["target"] == 1, 30.0, 0.25)
+                stats = ray.get(service.stats.remote())
     assert len(seen) == len(set(seen)) == 80
     hist = stats["history"]
     assert hist[0]["target"] == 4  # started with what the cluster had room for, within 4
