@@ -10,11 +10,14 @@ job's controller, tagged with the step its rows are for; the controller hands it
 once it is the earliest step waiting and a worker has room, and answers with the reference of
 the worker's result, which the rank then takes from the worker's node like any other block.
 The pool's size is the controller's decision, from every rank's data-wait (which each rank
-reports) and the workers' busy time.
+reports) and the workers' busy time. Where the controller leased this rank whole workers (each
+decoding rank can have one), the rank calls them itself, :data:`PER_WORKER` calls each, as on a
+pool of its own: those items skip the controller, and the rank owns their results.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import time
@@ -53,11 +56,13 @@ LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError,
 @attrs.define(eq=False)
 class _JobCall:
     """An item submitted to the controller: ``outer`` answers with ``[ref]`` once a worker has
-    it (None: submit again), ``ref`` is the worker's result."""
+    it (None: submit again), ``ref`` is the worker's result; or, on a leased worker ``wid``,
+    no ``outer`` and the result this rank owns."""
 
     item: ReadItem
     outer: Any
     ref: Any = None
+    wid: str | None = None
 
 
 class JobPoolExecution(PoolExecution):
@@ -91,12 +96,19 @@ class JobPoolExecution(PoolExecution):
         self._cap = _window_limit(cfg, max(PER_WORKER * cfg.decode.pool_max,
                                            ahead_calls(cfg.loader.batch_size, self._rows)))
         self._ranks = 1
+        #: Workers the controller leased to this rank, by id (it calls them itself), and the
+        #: ones that failed a call (gone: not called again, whatever a view still says).
+        self._leases: dict[str, Any] = {}
+        self._dead: set[str] = set()
+        self._tags = dict(metric_tags or {"rank": str(rank)})
         #: This execution's name at the controller (the rank may open several, one by one).
         self.client = f"{rank}:{ray.get_runtime_context().get_worker_id()}:{next(_CLIENTS)}"
         #: Seconds this rank waited for results not decoded yet (reported to the controller):
         #: what a larger pool shortens. Fetching a finished result (the object store, a
         #: loaded node) is not counted: more workers would not make it faster.
         self.wait_s = 0.0
+        #: Items decoded on leased workers.
+        self.leased = 0
         self._waiting: float | None = None
         #: The items per second this rank takes (reported: the pool's demand).
         self._rate = TakeRate(service.hold_s(cfg))
@@ -112,11 +124,10 @@ class JobPoolExecution(PoolExecution):
     def _join(self) -> None:
         """Join the job's controller (a new one if the last one is ending)."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
-        tags = dict(self.metric_tags or {"rank": str(self.rank)})
         while True:
             handle = service.connect(self.cfg, self.pipelines, self.dataset)
             try:
-                view = ray.get(handle.join.remote(self.client, self.rank, tags),
+                view = ray.get(handle.join.remote(self.client, self.rank, self._tags, True),
                                timeout=JOIN_TIMEOUT_S)
             except ray.exceptions.RayActorError:
                 view = None  # it ended as we asked: its name is free again shortly
@@ -129,11 +140,16 @@ class JobPoolExecution(PoolExecution):
             time.sleep(POLL_S)
 
     def _apply(self, view: dict[str, Any]) -> None:
-        """The window follows the pool: two steps ahead, or the rank's share of the workers."""
+        """The window follows the pool: two steps ahead, or the rank's share of the workers;
+        with leased workers, :data:`PER_WORKER` calls on each (as on a rank's own pool)."""
         self._ranks = view["ranks"]
+        self._leases = {wid: h for wid, h in view.get("leases", {}).items()
+                        if wid not in self._dead}
         self.peak_workers = max(self.peak_workers, view["workers"])
         self.window = window_calls(self.cfg.loader.batch_size, self._rows, view["workers"],
                                    self._ranks, PER_WORKER, self._cap)
+        if self._leases:
+            self.window = min(self._cap, PER_WORKER * len(self._leases))
 
     def _admit(self, wait_s: float = 0.0) -> None:
         """Report this rank's data-wait and items taken (its step rate) every
@@ -161,13 +177,25 @@ class JobPoolExecution(PoolExecution):
             self._reported, self._report_now = now, False
             self._sent += 1
             self._reports.append((self._sent, self._service.report.remote(
-                self.client, self._waited(), self._rate.rate(now))))
+                self.client, self._waited(), self._rate.rate(now), self._using(), self._sent)))
         if wait_s:
             time.sleep(wait_s)
 
+    def _using(self) -> list[str]:
+        """The leased workers this rank may still call or has calls on (a retired one is
+        killed only once the rank no longer names it)."""
+        return sorted(set(self._leases) | {c.wid for c in self._calls if c.wid is not None})
+
     # --- submitting and waiting ----------------------------------------------------------
     def _submit(self, item: ReadItem) -> _JobCall:  # type: ignore[override]
+        """On the least loaded leased worker with room, else through the controller."""
         shard = self.catalog.shard(item.sid)
+        if self._leases:
+            load = collections.Counter(c.wid for c in self._calls if c.wid is not None)
+            wid = min(self._leases, key=lambda w: load[w])
+            if load[wid] < PER_WORKER:
+                ref = self._leases[wid].decode_leased.remote(self.rank, self._tags, shard, item)
+                return _JobCall(item, None, ref, wid)
         key = step_key(item, self.cfg.loader.batch_size)
         return _JobCall(item, self._service.submit.remote(self.client, key, shard, item))
 
@@ -186,7 +214,8 @@ class JobPoolExecution(PoolExecution):
                 answer = None
             if answer is None:  # the controller ended: join the next one, submit again
                 self._join()
-                call.outer = self._submit(call.item).outer
+                new = self._submit(call.item)
+                call.outer, call.ref, call.wid = new.outer, new.ref, new.wid
                 return False
             call.ref = answer[0]
             timeout = 0
@@ -207,13 +236,18 @@ class JobPoolExecution(PoolExecution):
         try:
             blocks = ray.get(call.ref)
         except LOST:
-            self._calls[0] = self._submit(call.item)
+            if call.wid is not None:  # a leased worker gone: never called again
+                self._dead.add(call.wid)
+                self._leases.pop(call.wid, None)
+            self._calls.popleft()  # (out of the leased workers' load before choosing one)
+            self._calls.appendleft(self._submit(call.item))
             self.resubmitted += 1
             return
         except Exception as exc:
             raise self._cause(exc) from None
         self._calls.popleft()
         self.done += 1
+        self.leased += call.wid is not None
         if self._rate.took(step_key(call.item, self.cfg.loader.batch_size), time.monotonic()):
             # a new step: its rate goes to the controller now, not a period later (beside a
             # report still in flight, whose answer is applied as well)
@@ -229,7 +263,8 @@ class JobPoolExecution(PoolExecution):
     def stats(self) -> str:
         return (f"job: {self.done} read items decoded on a job pool of up to "
                 f"{self.peak_workers} workers shared by {self._ranks} ranks, "
-                f"{self.resubmitted} resubmitted, window {self.window}")
+                f"{self.leased} on leased workers, {self.resubmitted} resubmitted, "
+                f"window {self.window}")
 
     def close(self) -> None:
         """Stop: this rank's items are dropped by the controller (shared workers would decode
@@ -237,6 +272,10 @@ class JobPoolExecution(PoolExecution):
         if self.closed:
             return
         self.closed = True
+        for call in self._calls:  # the leased workers' calls are this rank's to cancel
+            if call.wid is not None:
+                with contextlib.suppress(Exception):
+                    ray.cancel(call.ref, force=False)
         self._calls.clear()
         if self._service is not None:
             with contextlib.suppress(Exception):

@@ -15,9 +15,15 @@ decode actors that every rank of a job draws from, and the controller that feeds
   empty), kills the workers of a dead node (their ranks submit those items again at once),
   exports the job's and each rank's target and busy decode CPUs as Ray metrics, and ends
   itself, with its workers, :data:`LINGER_S` after its last rank left (or, pre-started,
-  :data:`PRESTART_WAIT_S` after its start if no rank came).
+  :data:`PRESTART_WAIT_S` after its start if no rank came). Where every decoding rank can
+  have whole workers of its own (the workers at least as many as the ranks), it *leases*
+  them: ``workers // ranks`` each (:meth:`DecodeService._lease`). A rank calls its leased
+  workers itself and owns their results, so those items never pass through the controller
+  (which costs ~5-6 ms of its CPU per item); it still sizes the pool from their busy time
+  (each worker's stats) and the ranks' reports.
 * :class:`SharedDecodeWorker`: a decode actor (``decode.num_cpus``, ``decode.label_selector``)
-  decoding one item at a time on its main thread (the second it holds queued behind it).
+  decoding one item at a time on its main thread (the second it holds queued behind it),
+  called by the controller or, leased, by its rank.
 
 The job's driver starts the controller before Ray Train starts the ranks (:func:`prestart`);
 otherwise the first rank does. The rank side (its ordered window, resubmits, stall checks) is
@@ -122,15 +128,16 @@ class SharedDecodeWorker:
         #: Whether its last call ran on the main thread (what its memory depends on).
         self.main_thread: bool | None = None
 
+        #: Seconds spent on leased calls, by rank, and their number (this process's: a
+        #: restarted worker starts again at 0), read by the controller through :meth:`stats`.
+        self.leased_busy: dict[int, float] = {}
+        self.leased_done = 0
+
     def ready(self) -> str:
         return self.node
 
-    @ray.method(num_returns=2)
-    def decode(self, tags: dict[str, str] | None, shard: Shard,
-               item: ReadItem) -> tuple[float, list[dict]]:
-        """``(seconds it took, the item's blocks)``: two returns, so that the controller learns
-        the call's end and busy time from the first (a few bytes in its reply, at once) and
-        never fetches the blocks."""
+    def _decode(self, tags: dict[str, str] | None, shard: Shard,
+                item: ReadItem) -> tuple[float, list[dict]]:
         t0 = time.monotonic()
         self.main_thread = threading.current_thread() is threading.main_thread()
         k = tuple(sorted((tags or {}).items()))
@@ -139,10 +146,29 @@ class SharedDecodeWorker:
         blocks = self._decoders[k](shard, item)
         return time.monotonic() - t0, blocks
 
+    @ray.method(num_returns=2)
+    def decode(self, tags: dict[str, str] | None, shard: Shard,
+               item: ReadItem) -> tuple[float, list[dict]]:
+        """``(seconds it took, the item's blocks)``: two returns, so that the controller learns
+        the call's end and busy time from the first (a few bytes in its reply, at once) and
+        never fetches the blocks."""
+        return self._decode(tags, shard, item)
+
+    def decode_leased(self, rank: int, tags: dict[str, str] | None, shard: Shard,
+                      item: ReadItem) -> list[dict]:
+        """The item's blocks, for the rank this worker is leased to, which called it itself
+        (and owns the result); its busy time reaches the controller through :meth:`stats`."""
+        busy, blocks = self._decode(tags, shard, item)
+        self.leased_busy[rank] = self.leased_busy.get(rank, 0.0) + busy
+        self.leased_done += 1
+        return blocks
+
     def stats(self) -> dict[str, Any]:
-        """Its node (a restarted actor may be on another) and whether it decodes on its main
-        thread; answered between two calls."""
-        return {"node": self.node, "main_thread": self.main_thread}
+        """Its node (a restarted actor may be on another), whether it decodes on its main
+        thread, and its leased calls' busy seconds by rank and number; answered between two
+        calls."""
+        return {"node": self.node, "main_thread": self.main_thread,
+                "leased_busy": dict(self.leased_busy), "leased_done": self.leased_done}
 
 
 @attrs.define(eq=False)
@@ -170,6 +196,11 @@ class _Worker:
     inflight: list[_Entry] = attrs.field(factory=list)
     retired_at: float | None = None
     stats: asyncio.Future | None = None
+    #: The client it is leased to (kept once retired, until that client stops using it).
+    lease: str | None = None
+    #: The worker's leased counters as last read (busy seconds by rank, calls).
+    lease_seen: dict[int, float] = attrs.field(factory=dict)
+    lease_done_seen: int = 0
 
 
 @attrs.define
@@ -187,6 +218,12 @@ class _Rank:
     #: not known yet) and when it said so (monotonic).
     rate: float | None = None
     rate_t: float = 0.0
+    #: Whether it takes leases, the workers it said it still uses (leased or with calls on
+    #: them), the number of the report that said so and when that report came (monotonic).
+    leases: bool = False
+    using: frozenset[str] = frozenset()
+    report_n: int = 0
+    using_t: float = 0.0
 
 
 class DecodeService:
@@ -212,7 +249,7 @@ class DecodeService:
         self.busy_total = self.wait_left = 0.0  # of workers and ranks gone
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self.started = self.retired = self.lost = self.dispatched = self.completed = 0
-        self.submitted = 0
+        self.submitted = self.leased_done = 0
         self._t0, self._t0_wall = time.monotonic(), time.time()
         #: When the controller ends unless a rank joins (monotonic; None: ranks are here).
         self._end_at: float | None = self._t0 + LINGER_S
@@ -239,32 +276,35 @@ class DecodeService:
                 "allow_out_of_order_execution": True, **decode_process_options(self.cfg)}
 
     # --- the ranks' calls ----------------------------------------------------------------
-    async def join(self, client: str, rank: int, tags: dict[str, str]) -> dict[str, Any] | None:
-        """Register a rank's execution, ``client`` (None: this controller is ending, ask for a
-        new one)."""
+    async def join(self, client: str, rank: int, tags: dict[str, str],
+                   leases: bool = False) -> dict[str, Any] | None:
+        """Register a rank's execution, ``client``, which takes leased workers if ``leases``
+        (None: this controller is ending, ask for a new one)."""
         if self._ending:
             return None
         old = self.ranks.get(client)
         if old is not None:
             self.wait_left += old.wait_s
-        self.ranks[client] = _Rank(rank, dict(tags))
+        self.ranks[client] = _Rank(rank, dict(tags), leases=leases)
         self._end_at = None
-        return await self._start()  # the first workers start now, not a period later
+        await self._start()  # the first workers start now, not a period later
+        self._lease()
+        return self._view(client)
 
     async def prestart(self, wait_s: float = PRESTART_WAIT_S) -> dict[str, Any]:
         """Start the pool before any rank asks (the job's driver, while Ray Train starts its
         workers): it stays until its ranks have come and gone, or ``wait_s`` if none comes."""
         if not self.ranks:
             self._end_at = time.monotonic() + wait_s
-        return await self._start()
+        await self._start()
+        return self._view()
 
-    async def _start(self) -> dict[str, Any]:
+    async def _start(self) -> None:
         if not self._tasks:
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._run())]
         if self.sizer.target is None:
             await self._tick()
-        return self._view()
 
     async def submit(self, client: str, key: tuple[int, int], shard: Shard,
                      item: ReadItem) -> list[Any] | None:
@@ -288,16 +328,19 @@ class DecodeService:
         self._dispatch()
         return [await fut]
 
-    async def report(self, client: str, wait_s: float,
-                     rate: float | None = None) -> dict[str, Any] | None:
-        """A rank's cumulative wait for results not decoded yet and the items per second it
-        takes; the pool's size and ranks (None: join again)."""
+    async def report(self, client: str, wait_s: float, rate: float | None = None,
+                     using: list[str] | None = None, n: int = 0) -> dict[str, Any] | None:
+        """A rank's cumulative wait for results not decoded yet, the items per second it
+        takes and, in its report number ``n``, the leased workers it still uses; the pool's
+        size and ranks and the rank's leases (None: join again)."""
         r = self.ranks.get(client)
         if r is None or self._ending:
             return None
         r.wait_s = wait_s
         r.rate, r.rate_t = rate, time.monotonic()
-        return self._view()
+        if n >= r.report_n:  # (a rank's calls may arrive out of order)
+            r.using, r.report_n, r.using_t = frozenset(using or ()), n, r.rate_t
+        return self._view(client)
 
     async def cancel(self, client: str) -> None:
         """Drop a rank's items: queued ones never run, running ones are cancelled."""
@@ -310,16 +353,54 @@ class DecodeService:
                 e.fut.cancel()
 
     async def leave(self, client: str) -> None:
+        """A rank's execution ends: its queued items are dropped, its leased workers go to the
+        others (the rank cancels its own calls on them)."""
         await self.cancel(client)
         r = self.ranks.pop(client, None)
         if r is not None:
             self.wait_left += r.wait_s
+        for w in self.workers.values():
+            if w.lease == client and w.retired_at is None:
+                w.lease = None
+        self._lease()
         if not self.ranks:
             self._end_at = time.monotonic() + LINGER_S
 
-    def _view(self) -> dict[str, Any]:
-        up = sum(1 for w in self.workers.values() if w.up and w.retired_at is None)
-        return {"workers": up, "ranks": max(1, len(self.ranks))}
+    def _view(self, client: str | None = None) -> dict[str, Any]:
+        """What a rank sizes its window by (the workers up, the ranks) and ``client``'s
+        leased workers, by id."""
+        live = [w for w in self.workers.values() if w.up and w.retired_at is None]
+        leases = {w.wid: w.handle for w in live if client is not None and w.lease == client}
+        return {"workers": len(live), "ranks": max(1, len(self.ranks)), "leases": leases}
+
+    def _lease(self) -> None:
+        """Lease whole workers to the ranks that take leases, once every decoding rank has
+        joined and each can have one of its own: ``workers // ranks`` each, the rest shared.
+        A leased worker takes calls from its rank only (the rank calls it and owns the
+        results), so its items never pass through this actor: the per-item cost of the
+        shared queue (~5-6 ms of this actor's CPU, docs/architecture.md) is gone where no
+        queue is needed. With fewer workers than ranks nothing is leased and the queue,
+        earliest step first, shares them. Leases are stable: a rank keeps its workers while
+        the share allows."""
+        live = [w for w in self.workers.values() if w.up and w.retired_at is None]
+        takers = sorted(c for c, r in self.ranks.items() if r.leases)
+        ranks = max(self.pipelines, len(self.ranks))
+        share = len(live) // ranks if len(self.ranks) >= self.pipelines else 0
+        held: collections.Counter[str] = collections.Counter()
+        for w in live:
+            if w.lease is None:
+                continue
+            if share and w.lease in takers and held[w.lease] < share:
+                held[w.lease] += 1
+            else:
+                w.lease = None
+        if not share:
+            return
+        free = sorted((w for w in live if w.lease is None), key=lambda w: len(w.inflight))
+        for client in takers:
+            while held[client] < share and free:
+                free.pop(0).lease = client
+                held[client] += 1
 
     async def worker_handles(self) -> list[Any]:
         """The workers up (for tests and benchmarks that kill one)."""
@@ -331,6 +412,7 @@ class DecodeService:
         return {"target": self.sizer.target, "reason": self.sizer.reason,
                 "started": self.started, "retired": self.retired, "lost": self.lost,
                 "submitted": self.submitted, "dispatched": self.dispatched,
+                "leased_done": self.leased_done,
                 "ranks": len(self.ranks),
                 "num_cpus": self.num_cpus, "rank_busy_s": self.rank_busy(),
                 "t0_wall": self._t0_wall, "history": list(self.history)}
@@ -338,12 +420,14 @@ class DecodeService:
     # --- dispatching ---------------------------------------------------------------------
     def _dispatch(self) -> None:
         """Earliest step first onto the least loaded workers, :data:`PER_WORKER` calls each
-        (one running, one queued behind it: no idle gap between two items)."""
+        (one running, one queued behind it: no idle gap between two items). Leased workers
+        come last and take one call at a time beside their rank's: the items a rank queued
+        before it learned of its lease still go out when every worker is leased."""
         live = [w for w in self.workers.values() if w.up and w.retired_at is None]
         floor = self._start_floor()
         while self.queue and live:
-            w = min(live, key=lambda w: len(w.inflight))
-            if len(w.inflight) >= PER_WORKER:
+            w = min(live, key=lambda w: (w.lease is not None, len(w.inflight)))
+            if len(w.inflight) >= (PER_WORKER if w.lease is None else 1):
                 return
             if self.queue[0][2].fut.done():  # cancelled by its rank
                 heapq.heappop(self.queue)
@@ -390,6 +474,11 @@ class DecodeService:
         ``ray.wait`` scans cost the controller ~23 % of its CPU)."""
         try:
             busy = float(await ended)
+        except ray.exceptions.ActorDiedError:  # dead for good: no more calls for it (they
+            busy = 0.0  # fail at once and come back, ~200 round trips before the next tick)
+            if self.workers.get(w.wid) is w:
+                self.lost += 1
+                self._forget(w)
         except Exception:  # failed, cancelled or lost: the rank's to see and handle
             busy = 0.0
         w.busy_s += busy
@@ -432,10 +521,13 @@ class DecodeService:
         target = self.sizer.update(sig)
         self._resize(target, held, pending)
         self._kill_drained(now)
+        self._lease()
         self.history.append({"t": round(sig.t, 2), "target": target, "held": held,
                              "pending": pending, "busy_s": round(sig.busy_s, 3),
                              "wait_s": round(sig.wait_s, 3), "queued": sig.queued,
                              "free": sig.free, "ranks": sig.ranks,
+                             "leased": sum(1 for w in self.workers.values()
+                                           if w.lease is not None and w.retired_at is None),
                              "demand": None if sig.demand is None else round(sig.demand, 2)})
         self._export(now)
 
@@ -463,6 +555,23 @@ class DecodeService:
                 continue
             if st is not None:  # None: restarting, or its node is gone (the node's state decides)
                 w.node = st["node"]
+                self._count_leased(w, st)
+
+    def _count_leased(self, w: _Worker, st: dict[str, Any]) -> None:
+        """A worker's leased calls since its last stats: their busy time goes to the worker's
+        and their ranks' (as a shared call's end does), their number to the items completed."""
+        restarted = st["leased_done"] < w.lease_done_seen  # a new process counts from 0
+        done = st["leased_done"] - (0 if restarted else w.lease_done_seen)
+        w.lease_done_seen = st["leased_done"]
+        self.completed += done
+        self.leased_done += done
+        for rank, s in st["leased_busy"].items():
+            seen = 0.0 if restarted else w.lease_seen.get(rank, 0.0)
+            w.busy_s += s - seen
+            w.by_rank[rank] = w.by_rank.get(rank, 0.0) + s - seen
+            w.lease_seen[rank] = s
+        if restarted:
+            w.lease_seen = dict(st["leased_busy"])
 
     async def _came_up(self, w: _Worker) -> None:
         """A new worker takes items as soon as it is up, not at the next control period (a
@@ -538,7 +647,8 @@ class DecodeService:
         if surplus <= 0:
             return
         live = [w for w in self.workers.values() if w.retired_at is None]
-        for w in sorted(live, key=lambda w: (w.up, len(w.inflight)))[:surplus]:
+        for w in sorted(live, key=lambda w: (w.up, w.lease is not None,
+                                             len(w.inflight)))[:surplus]:
             if not w.up:
                 ray.kill(w.handle, no_restart=True)
                 self._forget(w)
@@ -548,9 +658,17 @@ class DecodeService:
 
     def _kill_drained(self, now: float) -> None:
         for w in [w for w in self.workers.values() if w.retired_at is not None]:
-            if not w.inflight or now - w.retired_at >= RETIRE_MAX_S:
+            if self._drained(w) or now - w.retired_at >= RETIRE_MAX_S:
                 ray.kill(w.handle, no_restart=True)
                 self._forget(w)
+
+    def _drained(self, w: _Worker) -> bool:
+        """A retired worker holds no shared call and, if it was leased, its rank said after
+        the retirement that it no longer uses it (its calls on it taken, or it left)."""
+        if w.inflight:
+            return False
+        r = self.ranks.get(w.lease) if w.lease is not None else None
+        return r is None or (r.using_t > (w.retired_at or 0.0) and w.wid not in r.using)
 
     def _export(self, now: float) -> None:
         """Target, held and busy decode CPUs of the job and of each rank (Ray metrics): busy

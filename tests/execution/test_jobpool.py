@@ -299,7 +299,7 @@ def test_a_new_steps_report_goes_beside_an_unanswered_one_and_both_answers_count
         def __init__(self):
             self.calls = 0
 
-        async def report(self, client, wait_s, rate):
+        async def report(self, client, wait_s, rate, *_):
             self.calls += 1
             if self.calls == 1:
                 await asyncio.sleep(1.5)
@@ -615,3 +615,131 @@ def test_ranks_with_one_hook_callable_name_the_same_pool(dataset):
     names = {service_name(with_hook(fn), "fp", job="01") for fn in (hooks.draws, other)}
     assert len(names) == 1
     assert names != {service_name(with_hook(hooks.drop_odd), "fp", job="01")}
+
+
+def _policy_controller(pipelines: int, workers: int):
+    """A controller object in this process (no actor: :meth:`_lease` and :meth:`_view` are
+    plain bookkeeping) with ``workers`` workers up, none started for real."""
+    from ray_ingest.execution.service import DecodeService, _Worker
+
+    svc = DecodeService(_cfg("/nowhere"), pipelines, "fp")
+    for i in range(workers):
+        svc.workers[f"w{i}"] = _Worker(handle=f"h{i}", wid=f"w{i}", ready_ref=None, up=True)
+    return svc
+
+
+def _leases(svc) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for w in svc.workers.values():
+        if w.lease is not None and w.retired_at is None:
+            out.setdefault(w.lease, []).append(w.wid)
+    return out
+
+
+def test_workers_are_leased_once_every_pipeline_can_have_one_and_leases_are_stable(ray_local):
+    """Leases: none until every decoding rank joined, ``workers // ranks`` each after, the
+    same workers kept while the share allows, none where the workers are fewer than the
+    ranks (the shared queue, earliest step first, serves them), none for a client that does
+    not take leases; a rank's view names its leased workers and their handles."""
+    from ray_ingest.execution.service import _Rank
+
+    svc = _policy_controller(pipelines=2, workers=5)
+    svc.ranks["a"] = _Rank(0, {}, leases=True)
+    svc._lease()
+    assert _leases(svc) == {}  # rank 1 has not joined: the queue serves rank 0
+    svc.ranks["b"] = _Rank(1, {}, leases=True)
+    svc._lease()
+    first = _leases(svc)
+    assert sorted(len(v) for v in first.values()) == [2, 2] and set(first) == {"a", "b"}
+    svc._lease()
+    assert _leases(svc) == first  # stable
+    view = svc._view("a")
+    assert view["leases"] == {w: f"h{w[1:]}" for w in first["a"]} and view["workers"] == 5
+    assert svc._view()["leases"] == {}
+    svc.ranks["c"] = _Rank(2, {}, leases=False)  # a client without leases still counts
+    svc._lease()
+    now = _leases(svc)
+    assert {k: len(v) for k, v in now.items()} == {"a": 1, "b": 1}
+    assert set(now["a"]) <= set(first["a"]) and set(now["b"]) <= set(first["b"])
+    svc.ranks["d"] = _Rank(3, {}, leases=True)
+    svc.ranks["e"] = _Rank(4, {}, leases=True)
+    svc.ranks["f"] = _Rank(5, {}, leases=True)
+    svc._lease()
+    assert _leases(svc) == {}  # 5 workers, 6 ranks: all shared
+    for c in "cdef":
+        del svc.ranks[c]
+    svc._lease()
+    assert sorted(len(v) for v in _leases(svc).values()) == [2, 2]
+
+
+def test_a_retired_leased_worker_ends_only_once_its_rank_stops_naming_it(ray_local):
+    """A leased worker retired by a shrink leaves its rank's view at once, but is killed only
+    once a report its rank sent after the retirement no longer names it (its calls on it
+    taken), or when the rank left: killing it earlier would fail calls the rank still holds.
+    Leaving gives a rank's leases to the others."""
+    from ray_ingest.execution.service import _Rank
+
+    svc = _policy_controller(pipelines=1, workers=2)
+    svc.ranks["a"] = _Rank(0, {}, leases=True)
+    svc._lease()
+    w = svc.workers["w0"]
+    assert w.lease == "a" and svc.workers["w1"].lease == "a"
+    w.retired_at = time.monotonic()
+    svc._lease()
+    assert list(svc._view("a")["leases"]) == ["w1"] and w.lease == "a"
+    r = svc.ranks["a"]
+    r.using, r.using_t = frozenset({"w0", "w1"}), w.retired_at + 1  # still has calls on it
+    assert not svc._drained(w)
+    r.using, r.using_t = frozenset({"w1"}), w.retired_at - 1  # sent before the retirement
+    assert not svc._drained(w)
+    r.using_t = w.retired_at + 2
+    assert svc._drained(w)
+    r.using = frozenset({"w0", "w1"})
+    del svc.ranks["a"]
+    assert svc._drained(w)  # the rank left: its calls were cancelled
+    svc.ranks["a"], svc.ranks["b"] = _Rank(0, {}, leases=True), _Rank(0, {}, leases=True)
+    svc.workers.pop("w0")
+    svc.workers["w2"] = type(w)(handle="h2", wid="w2", ready_ref=None, up=True)
+    svc._lease()
+    assert _leases(svc) == {"a": ["w1"], "b": ["w2"]}
+    asyncio_run = __import__("asyncio").run
+    asyncio_run(svc.leave("a"))
+    assert _leases(svc) == {"b": ["w1", "w2"]}
+
+
+def test_a_rank_alone_decodes_on_its_leased_workers_and_survives_losing_one(ray_local, dataset):
+    """One decoding rank: once the controller has leased it the pool's two workers, it calls
+    them itself (its items no longer pass through the controller), their busy time still
+    reaches the controller's accounts, and a leased worker killed mid-stream costs a resubmit
+    and no row: the rows are the in-process rows, in stream order."""
+    import ray
+
+    from ray_ingest.execution.jobpool import JobPoolExecution
+
+    cfg = _cfg(dataset, pool_min=2, pool_max=2, sim_cost_s=0.03)  # 0.15 s per item
+    catalog = load_catalog([dataset])
+    items = _items(cfg, catalog)
+    ex = JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)
+    try:
+        it = ex.blocks()
+        got = [next(it)]
+        while len(ex._leases) < 2:
+            got.append(next(it))
+        victim = next(iter(ex._leases))
+        assert any(c.wid == victim for c in ex._calls), "no call on the leased worker"
+        ray.kill(ex._leases[victim], no_restart=True)
+        got += list(it)
+        svc = _service(cfg, catalog)
+        deadline = time.monotonic() + 30  # leased calls are counted from the workers' stats
+        while (stats := ray.get(svc.stats.remote()))["leased_done"] < ex.leased - 2:
+            assert time.monotonic() < deadline, (stats["leased_done"], ex.leased)
+            time.sleep(0.2)
+    finally:
+        ex.close()
+    assert _rows(got) == _rows(LocalExecution(cfg, catalog, items).blocks())
+    assert ex.leased >= 4 and f"{ex.leased} on leased workers" in ex.stats()
+    assert ex.resubmitted >= 1 and victim in ex._dead and victim not in ex._leases
+    assert stats["dispatched"] + ex.leased >= len(items) and stats["lost"] == 1
+    assert stats["dispatched"] < len(items)  # not round trips to the dead worker
+    assert stats["rank_busy_s"][0] >= 0.1 * len(items)  # 0.15 s each
+    assert _gone(cfg, catalog)
