@@ -48,6 +48,10 @@ _CLIENTS = itertools.count()
 JOIN_TIMEOUT_S = 120.0
 #: Reports a rank keeps in flight: the periodic one and one for a step just taken.
 REPORTS_IN_FLIGHT = 2
+#: A new step's report goes at once, but not sooner than this after the last report: the
+#: controller reads them once a control period, and at 512 px a rank starts ~30 steps a
+#: second (a report each cost the controller ~25 ms of CPU a second, docs/benchmarks.md).
+REPORT_MIN_S = service.CONTROL_S / 2
 #: What a lost worker or lost blocks look like to the rank: the item is submitted again.
 LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError,
         ray.exceptions.OwnerDiedError)
@@ -100,6 +104,9 @@ class JobPoolExecution(PoolExecution):
         #: ones that failed a call (gone: not called again, whatever a view still says).
         self._leases: dict[str, Any] = {}
         self._dead: set[str] = set()
+        #: Every leased worker's handle this rank was sent (a view sends only the ones its
+        #: last report did not name).
+        self._handles: dict[str, Any] = {}
         self._tags = dict(metric_tags or {"rank": str(rank)})
         #: This execution's name at the controller (the rank may open several, one by one).
         self.client = f"{rank}:{ray.get_runtime_context().get_worker_id()}:{next(_CLIENTS)}"
@@ -143,8 +150,9 @@ class JobPoolExecution(PoolExecution):
         """The window follows the pool: two steps ahead, or the rank's share of the workers;
         with leased workers, :data:`PER_WORKER` calls on each (as on a rank's own pool)."""
         self._ranks = view["ranks"]
-        self._leases = {wid: h for wid, h in view.get("leases", {}).items()
-                        if wid not in self._dead}
+        self._handles.update(view.get("handles", {}))
+        self._leases = {wid: self._handles[wid] for wid in view.get("leases", ())
+                        if wid in self._handles and wid not in self._dead}
         self.peak_workers = max(self.peak_workers, view["workers"])
         self.window = window_calls(self.cfg.loader.batch_size, self._rows, view["workers"],
                                    self._ranks, PER_WORKER, self._cap)
@@ -173,7 +181,9 @@ class JobPoolExecution(PoolExecution):
                     self._apply(view)
         now = time.monotonic()
         due = not self._reports and now - self._reported >= service.REPORT_S
-        if due or (self._report_now and len(self._reports) < REPORTS_IN_FLIGHT):
+        soon = (self._report_now and len(self._reports) < REPORTS_IN_FLIGHT
+                and now - self._reported >= REPORT_MIN_S)
+        if due or soon:
             self._reported, self._report_now = now, False
             self._sent += 1
             self._reports.append((self._sent, self._service.report.remote(

@@ -367,11 +367,15 @@ class DecodeService:
             self._end_at = time.monotonic() + LINGER_S
 
     def _view(self, client: str | None = None) -> dict[str, Any]:
-        """What a rank sizes its window by (the workers up, the ranks) and ``client``'s
-        leased workers, by id."""
+        """What a rank sizes its window by (the workers up, the ranks), ``client``'s leased
+        workers, by id, and the handles of those its last report did not name (a handle
+        costs a serialization on each side)."""
         live = [w for w in self.workers.values() if w.up and w.retired_at is None]
-        leases = {w.wid: w.handle for w in live if client is not None and w.lease == client}
-        return {"workers": len(live), "ranks": max(1, len(self.ranks)), "leases": leases}
+        r = self.ranks.get(client) if client is not None else None
+        leased = [w for w in live if r is not None and w.lease == client]
+        return {"workers": len(live), "ranks": max(1, len(self.ranks)),
+                "leases": [w.wid for w in leased],
+                "handles": {w.wid: w.handle for w in leased if w.wid not in r.using}}
 
     def _lease(self) -> None:
         """Lease whole workers to the ranks that take leases, once every decoding rank has

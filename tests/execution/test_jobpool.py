@@ -279,8 +279,8 @@ def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
 
 def test_a_new_steps_report_goes_beside_an_unanswered_one_and_both_answers_count(
         ray_local, dataset):
-    """A rank that takes a new step reports its rate at once, beside a report still in
-    flight, whose answer still counts: here the older answer (slow) says the controller
+    """A rank that takes a new step reports its rate at once (once REPORT_MIN_S has passed
+    since its last report), beside a report still in flight, whose answer still counts: here the older answer (slow) says the controller
     forgot the rank, and the rank joins again (it was dropped before, and the rank went on
     with a controller that did not know it); the newer answer, first back, sizes the window
     and no older view is applied over it."""
@@ -289,7 +289,7 @@ def test_a_new_steps_report_goes_beside_an_unanswered_one_and_both_answers_count
     import ray
 
     from ray_ingest.execution.fairshare import window_calls
-    from ray_ingest.execution.jobpool import JobPoolExecution
+    from ray_ingest.execution.jobpool import REPORT_MIN_S, JobPoolExecution
     from ray_ingest.execution.pool import PER_WORKER
 
     @ray.remote(num_cpus=0)
@@ -317,12 +317,15 @@ def test_a_new_steps_report_goes_beside_an_unanswered_one_and_both_answers_count
     ex._service = reports
     try:
         ex._admit()  # the periodic report: answered in 1.5 s
-        ex._report_now = True  # what taking a new step sets
-        ex._admit()
         t0 = time.monotonic()
-        while ray.get(reports.count.remote()) < 2:
+        ex._report_now = True  # what taking a new step sets
+        ex._admit()  # not yet: the last report went less than REPORT_MIN_S ago
+        assert len(ex._reports) == 1 and ex._report_now
+        while ray.get(reports.count.remote()) < 2:  # the rank's loop admits as it goes
             assert time.monotonic() - t0 < 1.0, "the new step's report waited for the other"
+            ex._admit()
             time.sleep(0.02)
+        assert time.monotonic() - t0 >= REPORT_MIN_S
         two = window_calls(cfg.loader.batch_size, 5, 2, 1, PER_WORKER, ex._cap)
         deadline = time.monotonic() + 30
         while ex.window != two:
@@ -654,8 +657,11 @@ def test_workers_are_leased_once_every_pipeline_can_have_one_and_leases_are_stab
     svc._lease()
     assert _leases(svc) == first  # stable
     view = svc._view("a")
-    assert view["leases"] == {w: f"h{w[1:]}" for w in first["a"]} and view["workers"] == 5
-    assert svc._view()["leases"] == {}
+    assert view["leases"] == first["a"] and view["workers"] == 5
+    assert view["handles"] == {w: f"h{w[1:]}" for w in first["a"]}
+    svc.ranks["a"].using = frozenset(first["a"][:1])  # its last report named one: the other
+    assert svc._view("a")["handles"] == {first["a"][1]: f"h{first['a'][1][1:]}"}
+    assert svc._view()["leases"] == [] and svc._view()["handles"] == {}
     svc.ranks["c"] = _Rank(2, {}, leases=False)  # a client without leases still counts
     svc._lease()
     now = _leases(svc)
@@ -686,7 +692,7 @@ def test_a_retired_leased_worker_ends_only_once_its_rank_stops_naming_it(ray_loc
     assert w.lease == "a" and svc.workers["w1"].lease == "a"
     w.retired_at = time.monotonic()
     svc._lease()
-    assert list(svc._view("a")["leases"]) == ["w1"] and w.lease == "a"
+    assert svc._view("a")["leases"] == ["w1"] and w.lease == "a"
     r = svc.ranks["a"]
     r.using, r.using_t = frozenset({"w0", "w1"}), w.retired_at + 1  # still has calls on it
     assert not svc._drained(w)
@@ -705,6 +711,18 @@ def test_a_retired_leased_worker_ends_only_once_its_rank_stops_naming_it(ray_loc
     asyncio_run = __import__("asyncio").run
     asyncio_run(svc.leave("a"))
     assert _leases(svc) == {"b": ["w1", "w2"]}
+
+
+def test_leased_calls_count_from_the_workers_stats_across_a_restart(ray_local):
+    """A leased worker's calls reach the controller's accounts from its stats: the increase
+    since the last read, and all of a restarted worker's (its new process counts from 0)."""
+    svc = _policy_controller(pipelines=1, workers=1)
+    w = svc.workers["w0"]
+    for done, busy in ((3, {0: 0.3}), (5, {0: 0.5, 1: 0.25}), (1, {1: 0.125})):
+        svc._count_leased(w, {"node": "n", "leased_done": done, "leased_busy": busy})
+    assert (svc.completed, svc.leased_done) == (6, 6)
+    assert w.by_rank == pytest.approx({0: 0.5, 1: 0.375}) and w.busy_s == pytest.approx(0.875)
+    assert svc.rank_busy() == pytest.approx({0: 0.5, 1: 0.375})
 
 
 def test_a_rank_alone_decodes_on_its_leased_workers_and_survives_losing_one(ray_local, dataset):
