@@ -127,7 +127,6 @@ class SharedDecodeWorker:
         self.node = ray.get_runtime_context().get_node_id()
         #: Whether its last call ran on the main thread (what its memory depends on).
         self.main_thread: bool | None = None
-
         #: Seconds spent on leased calls, by rank, and their number (this process's: a
         #: restarted worker starts again at 0), read by the controller through :meth:`stats`.
         self.leased_busy: dict[int, float] = {}
