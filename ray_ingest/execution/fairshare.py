@@ -300,6 +300,38 @@ def ahead_calls(batch_size: int, block_rows: int) -> int:
     return 2 * math.ceil(batch_size / max(1, block_rows)) + 1
 
 
+def lease_workers(workers: Sequence[tuple[str, str | None, int]], takers: Sequence[str],
+                  ranks: int, pipelines: int) -> dict[str, str | None]:
+    """Which client each live worker is leased to (None: shared), from ``workers`` as ``(id,
+    its lease now, the shared calls it holds)``: once the job's ``pipelines`` decoding ranks
+    have all joined (``ranks`` clients), ``len(workers) // ranks`` whole workers to each
+    client in ``takers``, the rest shared; none at all where that is 0.
+
+    Why: earliest step first needs one queue only while ranks contend for workers; with a
+    worker (or more) for each rank, every rank's items can go straight to workers of its own,
+    and the controller's ~5-6 ms of CPU per queued item is saved (docs/architecture.md). Not
+    before every pipeline joined: the first ranks' look-ahead would take the workers from the
+    last ones' first step (what the queue's start floor prevents). Stable: a client keeps the
+    workers it holds while its share allows; free ones go least loaded first, the clients in
+    a fixed order."""
+    share = len(workers) // max(ranks, pipelines, 1) if ranks >= pipelines else 0
+    allowed = set(takers)
+    held: collections.Counter[str] = collections.Counter()
+    out: dict[str, str | None] = {}
+    for wid, lease, _ in workers:
+        keep = bool(share) and lease in allowed and held[lease] < share
+        out[wid] = lease if keep else None
+        if keep:
+            held[lease] += 1
+    if share:
+        free = sorted((w for w in workers if out[w[0]] is None), key=lambda w: w[2])
+        for client in sorted(allowed):
+            while held[client] < share and free:
+                out[free.pop(0)[0]] = client
+                held[client] += 1
+    return out
+
+
 def window_calls(batch_size: int, block_rows: int, workers: int, ranks: int,
                  per_worker: int, cap: int) -> int:
     """Calls a rank keeps in flight on the job's pool: :func:`ahead_calls`, or its share of

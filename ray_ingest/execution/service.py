@@ -21,9 +21,10 @@ decode actors that every rank of a job draws from, and the controller that feeds
   workers itself and owns their results, so those items never pass through the controller
   (which costs ~5-6 ms of its CPU per item); it still sizes the pool from their busy time
   (each worker's stats) and the ranks' reports.
-* :class:`SharedDecodeWorker`: a decode actor (``decode.num_cpus``, ``decode.label_selector``)
-  decoding one item at a time on its main thread (the second it holds queued behind it),
-  called by the controller or, leased, by its rank.
+* :class:`~ray_ingest.execution.sharedworker.SharedDecodeWorker`: a decode actor
+  (``decode.num_cpus``, ``decode.label_selector``) decoding one item at a time on its main
+  thread (the second it holds queued behind it), called by the controller or, leased, by its
+  rank.
 
 The job's driver starts the controller before Ray Train starts the ranks (:func:`prestart`);
 otherwise the first rank does. The rank side (its ordered window, resubmits, stall checks) is
@@ -39,7 +40,6 @@ import hashlib
 import heapq
 import itertools
 import json
-import threading
 import time
 from typing import Any
 
@@ -55,10 +55,11 @@ from ray_ingest.execution.fairshare import (
     Sizer,
     SizerSettings,
     consumption_demand,
+    lease_workers,
     trim_window,
 )
-from ray_ingest.execution.local import ItemDecoder
 from ray_ingest.execution.pool import decode_process_options
+from ray_ingest.execution.sharedworker import SharedDecodeWorker
 from ray_ingest.metrics import job_tags, record_job, record_rank
 from ray_ingest.plan.epoch import ReadItem
 
@@ -111,63 +112,6 @@ def service_name(cfg: Config, dataset: str, job: str | None = None) -> str:
     doc = json.dumps(cfg.to_dict(), sort_keys=True, default=_stable)
     digest = hashlib.sha1(f"{job}|{dataset}|{doc}".encode()).hexdigest()[:16]
     return f"ray_ingest_decode_{digest}"
-
-
-class SharedDecodeWorker:
-    """A decode actor of the job's pool: a plain actor, so it decodes one call at a time on
-    its process's main thread, whose malloc arena keeps freed memory
-    (:mod:`ray_ingest.decode.memory`): it needs no environment of its own, so Ray can give it a
-    prestarted worker process. Which call runs next is the controller's decision: a worker
-    never holds more than :data:`~ray_ingest.execution.fairshare.PER_WORKER` (one running, one
-    queued behind it)."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self._decoders: dict[tuple, ItemDecoder] = {}
-        self.node = ray.get_runtime_context().get_node_id()
-        #: Whether its last call ran on the main thread (what its memory depends on).
-        self.main_thread: bool | None = None
-        #: Seconds spent on leased calls, by rank, and their number (this process's: a
-        #: restarted worker starts again at 0), read by the controller through :meth:`stats`.
-        self.leased_busy: dict[int, float] = {}
-        self.leased_done = 0
-
-    def ready(self) -> str:
-        return self.node
-
-    def _decode(self, tags: dict[str, str] | None, shard: Shard,
-                item: ReadItem) -> tuple[float, list[dict]]:
-        t0 = time.monotonic()
-        self.main_thread = threading.current_thread() is threading.main_thread()
-        k = tuple(sorted((tags or {}).items()))
-        if k not in self._decoders:
-            self._decoders[k] = ItemDecoder(self.cfg, tags)
-        blocks = self._decoders[k](shard, item)
-        return time.monotonic() - t0, blocks
-
-    @ray.method(num_returns=2)
-    def decode(self, tags: dict[str, str] | None, shard: Shard,
-               item: ReadItem) -> tuple[float, list[dict]]:
-        """``(seconds it took, the item's blocks)``: two returns, so that the controller learns
-        the call's end and busy time from the first (a few bytes in its reply, at once) and
-        never fetches the blocks."""
-        return self._decode(tags, shard, item)
-
-    def decode_leased(self, rank: int, tags: dict[str, str] | None, shard: Shard,
-                      item: ReadItem) -> list[dict]:
-        """The item's blocks, for the rank this worker is leased to, which called it itself
-        (and owns the result); its busy time reaches the controller through :meth:`stats`."""
-        busy, blocks = self._decode(tags, shard, item)
-        self.leased_busy[rank] = self.leased_busy.get(rank, 0.0) + busy
-        self.leased_done += 1
-        return blocks
-
-    def stats(self) -> dict[str, Any]:
-        """Its node (a restarted actor may be on another), whether it decodes on its main
-        thread, and its leased calls' busy seconds by rank and number; answered between two
-        calls."""
-        return {"node": self.node, "main_thread": self.main_thread,
-                "leased_busy": dict(self.leased_busy), "leased_done": self.leased_done}
 
 
 @attrs.define(eq=False)
@@ -377,33 +321,15 @@ class DecodeService:
                 "handles": {w.wid: w.handle for w in leased if w.wid not in r.using}}
 
     def _lease(self) -> None:
-        """Lease whole workers to the ranks that take leases, once every decoding rank has
-        joined and each can have one of its own: ``workers // ranks`` each, the rest shared.
-        A leased worker takes calls from its rank only (the rank calls it and owns the
-        results), so its items never pass through this actor: the per-item cost of the
-        shared queue (~5-6 ms of this actor's CPU, docs/architecture.md) is gone where no
-        queue is needed. With fewer workers than ranks nothing is leased and the queue,
-        earliest step first, shares them. Leases are stable: a rank keeps its workers while
-        the share allows."""
+        """Lease whole workers to the ranks that take leases
+        (:func:`~ray_ingest.execution.fairshare.lease_workers`): a leased worker takes calls
+        from its rank only, which calls it itself, so its items skip this actor."""
         live = [w for w in self.workers.values() if w.up and w.retired_at is None]
-        takers = sorted(c for c, r in self.ranks.items() if r.leases)
-        ranks = max(self.pipelines, len(self.ranks))
-        share = len(live) // ranks if len(self.ranks) >= self.pipelines else 0
-        held: collections.Counter[str] = collections.Counter()
+        leases = lease_workers([(w.wid, w.lease, len(w.inflight)) for w in live],
+                               [c for c, r in self.ranks.items() if r.leases],
+                               len(self.ranks), self.pipelines)
         for w in live:
-            if w.lease is None:
-                continue
-            if share and w.lease in takers and held[w.lease] < share:
-                held[w.lease] += 1
-            else:
-                w.lease = None
-        if not share:
-            return
-        free = sorted((w for w in live if w.lease is None), key=lambda w: len(w.inflight))
-        for client in takers:
-            while held[client] < share and free:
-                free.pop(0).lease = client
-                held[client] += 1
+            w.lease = leases[w.wid]
 
     async def worker_handles(self) -> list[Any]:
         """The workers up (for tests and benchmarks that kill one)."""

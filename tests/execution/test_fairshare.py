@@ -19,6 +19,7 @@ from ray_ingest.execution.fairshare import (
     ahead_calls,
     consumption_demand,
     keep_workers,
+    lease_workers,
     step_key,
     window_calls,
 )
@@ -312,3 +313,44 @@ def test_whole_workers_kept_stay_within_the_cap_where_a_spare_margin_allows(need
     assert keep_workers(need, 1.5, 1.25, 1.02) == math.ceil(need * 1.5 - 1e-9)
     # the rule never keeps fewer than the busy workers plus the spare margin
     assert kept >= need * 1.02 - 1e-9 or kept == 0
+
+
+def _leased(out: dict) -> dict[str, list[str]]:
+    by: dict[str, list[str]] = {}
+    for wid, client in sorted(out.items()):
+        if client is not None:
+            by.setdefault(client, []).append(wid)
+    return by
+
+
+def test_leases_whole_workers_once_every_pipeline_can_have_one():
+    """``workers // ranks`` each once every pipeline joined, least loaded free workers first,
+    clients in a fixed order; none while a pipeline is missing, none with fewer workers than
+    ranks, none for a client that does not take leases (it still counts as a rank)."""
+    w = [("w0", None, 2), ("w1", None, 0), ("w2", None, 1), ("w3", None, 0), ("w4", None, 2)]
+    assert _leased(lease_workers(w, ["a"], ranks=1, pipelines=2)) == {}
+    assert _leased(lease_workers(w, ["b", "a"], ranks=2, pipelines=2)) == \
+        {"a": ["w1", "w3"], "b": ["w0", "w2"]}  # a: the two idle, b: the next (w2, then w0)
+    assert _leased(lease_workers(w, ["a", "b"], ranks=3, pipelines=2)) == \
+        {"a": ["w1"], "b": ["w3"]}  # a third client without leases: shares of 1
+    assert _leased(lease_workers(w, ["a", "b"], ranks=6, pipelines=2)) == {}
+    assert _leased(lease_workers(w[:1], ["a"], ranks=1, pipelines=1)) == {"a": ["w0"]}
+    assert lease_workers([], ["a"], ranks=1, pipelines=1) == {}
+
+
+def test_leases_are_stable_and_follow_the_share():
+    """A client keeps the workers it holds while its share allows, gives back the surplus
+    when the share falls, and a client gone (or no longer taking leases) loses its own."""
+    held = [("w0", "a", 0), ("w1", "a", 0), ("w2", "b", 0), ("w3", "b", 0), ("w4", None, 0)]
+    assert _leased(lease_workers(held, ["a", "b"], ranks=2, pipelines=1)) == \
+        {"a": ["w0", "w1"], "b": ["w2", "w3"]}
+    three = lease_workers(held, ["a", "b", "c"], ranks=3, pipelines=1)
+    assert _leased(three) == {"a": ["w0"], "b": ["w2"], "c": ["w1"]}  # c: a's surplus, idle
+    assert _leased(lease_workers(held, ["b"], ranks=1, pipelines=1)) == \
+        {"b": ["w0", "w1", "w2", "w3", "w4"]}
+    for n in range(1, 9):  # every share is whole workers, never more workers than there are
+        for ranks in range(1, 5):
+            out = lease_workers([(f"w{i}", None, 0) for i in range(n)],
+                                [f"c{r}" for r in range(ranks)], ranks, 1)
+            counts = [len(v) for v in _leased(out).values()]
+            assert counts == ([n // ranks] * ranks if n >= ranks else []), (n, ranks, counts)

@@ -146,7 +146,8 @@ def test_a_worker_decodes_its_calls_one_at_a_time_on_its_main_thread(ray_local, 
     seconds it took (the controller's busy time)."""
     import ray
 
-    from ray_ingest.execution.service import DecodeService, SharedDecodeWorker
+    from ray_ingest.execution.service import DecodeService
+    from ray_ingest.execution.sharedworker import SharedDecodeWorker
 
     cfg = _cfg(dataset, sim_cost_s=0.04)  # 5 rows: 0.2 s per item
     catalog = load_catalog([dataset])
@@ -280,10 +281,10 @@ def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
 def test_a_new_steps_report_goes_beside_an_unanswered_one_and_both_answers_count(
         ray_local, dataset):
     """A rank that takes a new step reports its rate at once (once REPORT_MIN_S has passed
-    since its last report), beside a report still in flight, whose answer still counts: here the older answer (slow) says the controller
-    forgot the rank, and the rank joins again (it was dropped before, and the rank went on
-    with a controller that did not know it); the newer answer, first back, sizes the window
-    and no older view is applied over it."""
+    since its last report), beside a report still in flight, whose answer still counts: here
+    the older answer (slow) says the controller forgot the rank, and the rank joins again (it
+    was dropped before, and the rank went on with a controller that did not know it); the
+    newer answer, first back, sizes the window and no older view is applied over it."""
     import asyncio
 
     import ray

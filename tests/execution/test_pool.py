@@ -182,7 +182,7 @@ def test_decode_processes_decode_on_their_main_thread_without_an_environment(
         assert ray.get(ray.remote(on_main).options(**opts).remote())
     else:  # the worker itself, asked through Ray's hook for a call of the caller's own
         from ray_ingest.execution.pool import DecodeWorker
-        from ray_ingest.execution.service import SharedDecodeWorker
+        from ray_ingest.execution.sharedworker import SharedDecodeWorker
 
         cls, args = (SharedDecodeWorker, (cfg,)) if mode == "job" else (DecodeWorker, (cfg, None))
         handle = ray.remote(cls).options(**opts).remote(*args)
