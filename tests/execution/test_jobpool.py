@@ -65,6 +65,16 @@ def _service(cfg, catalog):
     return ray.get_actor(service_name(cfg, catalog.fingerprint))
 
 
+def _one_rank(path, **decode):
+    """A job of one decoding rank on a pool of two workers: (cfg, catalog, items, execution)."""
+    from ray_ingest.execution.jobpool import JobPoolExecution
+
+    cfg = _cfg(path, pool_min=2, pool_max=2, **decode)
+    catalog = load_catalog([path])
+    items = _items(cfg, catalog)
+    return cfg, catalog, items, JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)
+
+
 def _until(cond, timeout=30.0, period=0.1) -> bool:
     """Whether ``cond()`` came true within ``timeout`` seconds (polled every ``period``)."""
     deadline = time.monotonic() + timeout
@@ -253,12 +263,7 @@ def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_loca
 def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
     import ray
 
-    from ray_ingest.execution.jobpool import JobPoolExecution
-
-    cfg = _cfg(dataset, pool_min=2, pool_max=2, sim_cost_s=0.05)  # 0.25 s per item
-    catalog = load_catalog([dataset])
-    items = _items(cfg, catalog)
-    ex = JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)
+    cfg, catalog, items, ex = _one_rank(dataset, sim_cost_s=0.05)  # 0.25 s per item
     try:
         it = ex.blocks()
         got = [next(it)]
@@ -733,12 +738,7 @@ def test_a_rank_alone_decodes_on_its_leased_workers_and_survives_losing_one(ray_
     and no row: the rows are the in-process rows, in stream order."""
     import ray
 
-    from ray_ingest.execution.jobpool import JobPoolExecution
-
-    cfg = _cfg(dataset, pool_min=2, pool_max=2, sim_cost_s=0.03)  # 0.15 s per item
-    catalog = load_catalog([dataset])
-    items = _items(cfg, catalog)
-    ex = JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)
+    cfg, catalog, items, ex = _one_rank(dataset, sim_cost_s=0.03)  # 0.15 s per item
     try:
         it = ex.blocks()
         got = [next(it)]
