@@ -302,10 +302,7 @@ class DecodeService:
         r = self.ranks.pop(client, None)
         if r is not None:
             self.wait_left += r.wait_s
-        for w in self.workers.values():
-            if w.lease == client and w.retired_at is None:
-                w.lease = None
-        self._lease()
+        self._lease()  # (a client gone holds no lease)
         if not self.ranks:
             self._end_at = time.monotonic() + LINGER_S
 
@@ -490,17 +487,13 @@ class DecodeService:
         """A worker's leased calls since its last stats: their busy time goes to the worker's
         and their ranks' (as a shared call's end does), their number to the items completed."""
         restarted = st["leased_done"] < w.lease_done_seen  # a new process counts from 0
-        done = st["leased_done"] - (0 if restarted else w.lease_done_seen)
-        w.lease_done_seen = st["leased_done"]
-        self.completed += done
-        self.leased_done += done
+        done0, busy0 = (0, {}) if restarted else (w.lease_done_seen, w.lease_seen)
+        self.completed += st["leased_done"] - done0
+        self.leased_done += st["leased_done"] - done0
         for rank, s in st["leased_busy"].items():
-            seen = 0.0 if restarted else w.lease_seen.get(rank, 0.0)
-            w.busy_s += s - seen
-            w.by_rank[rank] = w.by_rank.get(rank, 0.0) + s - seen
-            w.lease_seen[rank] = s
-        if restarted:
-            w.lease_seen = dict(st["leased_busy"])
+            w.busy_s += s - busy0.get(rank, 0.0)
+            w.by_rank[rank] = w.by_rank.get(rank, 0.0) + s - busy0.get(rank, 0.0)
+        w.lease_done_seen, w.lease_seen = st["leased_done"], dict(st["leased_busy"])
 
     async def _came_up(self, w: _Worker) -> None:
         """A new worker takes items as soon as it is up, not at the next control period (a
