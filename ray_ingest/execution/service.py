@@ -141,9 +141,11 @@ class _Worker:
     stats: asyncio.Future | None = None
     #: The client it is leased to (kept once retired, until that client stops using it).
     lease: str | None = None
-    #: The worker's leased counters as last read (busy seconds by rank, calls).
+    #: The worker's leased counters as last read (busy seconds by rank, calls) and the
+    #: process that counted them.
     lease_seen: dict[int, float] = attrs.field(factory=dict)
     lease_done_seen: int = 0
+    lease_process: str | None = None
 
 
 @attrs.define
@@ -486,7 +488,7 @@ class DecodeService:
     def _count_leased(self, w: _Worker, st: dict[str, Any]) -> None:
         """A worker's leased calls since its last stats: their busy time goes to the worker's
         and their ranks' (as a shared call's end does), their number to the items completed."""
-        restarted = st["leased_done"] < w.lease_done_seen  # a new process counts from 0
+        restarted = st["process"] != w.lease_process  # a new process counts from 0
         done0, busy0 = (0, {}) if restarted else (w.lease_done_seen, w.lease_seen)
         self.completed += st["leased_done"] - done0
         self.leased_done += st["leased_done"] - done0
@@ -494,6 +496,7 @@ class DecodeService:
             w.busy_s += s - busy0.get(rank, 0.0)
             w.by_rank[rank] = w.by_rank.get(rank, 0.0) + s - busy0.get(rank, 0.0)
         w.lease_done_seen, w.lease_seen = st["leased_done"], dict(st["leased_busy"])
+        w.lease_process = st["process"]
 
     async def _came_up(self, w: _Worker) -> None:
         """A new worker takes items as soon as it is up, not at the next control period (a

@@ -33,6 +33,9 @@ class SharedDecodeWorker:
         #: restarted worker starts again at 0), read by the controller through :meth:`stats`.
         self.leased_busy: dict[int, float] = {}
         self.leased_done = 0
+        #: This process (Ray's worker id): a restarted actor answers with another, so the
+        #: controller never adds a new process's counters to the old one's.
+        self.process = ray.get_runtime_context().get_worker_id()
 
     def ready(self) -> str:
         return self.node
@@ -66,7 +69,7 @@ class SharedDecodeWorker:
 
     def stats(self) -> dict[str, Any]:
         """Its node (a restarted actor may be on another), whether it decodes on its main
-        thread, and its leased calls' busy seconds by rank and number; answered between two
-        calls."""
-        return {"node": self.node, "main_thread": self.main_thread,
+        thread, its leased calls' busy seconds by rank and number, and its process; answered
+        between two calls."""
+        return {"node": self.node, "main_thread": self.main_thread, "process": self.process,
                 "leased_busy": dict(self.leased_busy), "leased_done": self.leased_done}

@@ -721,14 +721,21 @@ def test_a_retired_leased_worker_ends_only_once_its_rank_stops_naming_it(ray_loc
 
 def test_leased_calls_count_from_the_workers_stats_across_a_restart(ray_local):
     """A leased worker's calls reach the controller's accounts from its stats: the increase
-    since the last read, and all of a restarted worker's (its new process counts from 0)."""
+    since the last read, and all of a restarted worker's (its new process counts from 0),
+    even where the new process has counted past the old one by the next read."""
     svc = _policy_controller(pipelines=1, workers=1)
     w = svc.workers["w0"]
-    for done, busy in ((3, {0: 0.3}), (5, {0: 0.5, 1: 0.25}), (1, {1: 0.125})):
-        svc._count_leased(w, {"node": "n", "leased_done": done, "leased_busy": busy})
+    for done, busy, process in ((3, {0: 0.3}, "p1"), (5, {0: 0.5, 1: 0.25}, "p1"),
+                                (1, {1: 0.125}, "p2")):
+        svc._count_leased(w, {"node": "n", "leased_done": done, "leased_busy": busy,
+                              "process": process})
     assert (svc.completed, svc.leased_done) == (6, 6)
     assert w.by_rank == pytest.approx({0: 0.5, 1: 0.375}) and w.busy_s == pytest.approx(0.875)
     assert svc.rank_busy() == pytest.approx({0: 0.5, 1: 0.375})
+    svc._count_leased(w, {"node": "n", "leased_done": 7, "leased_busy": {0: 0.75},
+                          "process": "p3"})  # restarted again, and already past 1
+    assert (svc.completed, svc.leased_done) == (13, 13)
+    assert svc.rank_busy() == pytest.approx({0: 1.25, 1: 0.375})
 
 
 def test_a_rank_alone_decodes_on_its_leased_workers_and_survives_losing_one(ray_local, dataset):
