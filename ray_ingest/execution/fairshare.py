@@ -307,13 +307,13 @@ def lease_workers(workers: Sequence[tuple[str, str | None, int]], takers: Sequen
     have all joined (``ranks`` clients), ``len(workers) // ranks`` whole workers to each
     client in ``takers``, the rest shared; none at all where that is 0.
 
-    Why: earliest step first needs one queue only while ranks contend for workers; with a
-    worker (or more) for each rank, every rank's items can go straight to workers of its own,
-    and the controller's ~5-6 ms of CPU per queued item is saved (docs/architecture.md). Not
-    before every pipeline joined: the first ranks' look-ahead would take the workers from the
-    last ones' first step (what the queue's start floor prevents). Stable: a client keeps the
-    workers it holds while its share allows; free ones go least loaded first, the clients in
-    a fixed order."""
+    Why: earliest step first needs one queue only while ranks contend for workers; with a worker
+    (or more) for each rank, every rank's items can go straight to workers of its own, and the
+    controller's CPU per queued item is saved (~5-6 ms in a one-rank run here, its start
+    included: docs/architecture.md). Not before every pipeline joined: the first ranks'
+    look-ahead would take the workers from the last ones' first step (what the queue's start
+    floor prevents). Stable: a client keeps the workers it holds while its share allows; free
+    ones go least loaded first, the clients in a fixed order."""
     share = len(workers) // max(ranks, pipelines, 1) if ranks >= pipelines else 0
     allowed = set(takers)
     held: collections.Counter[str] = collections.Counter()

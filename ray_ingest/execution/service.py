@@ -19,8 +19,9 @@ decode actors that every rank of a job draws from, and the controller that feeds
   have whole workers of its own (the workers at least as many as the ranks), it *leases*
   them: ``workers // ranks`` each (:meth:`DecodeService._lease`). A rank calls its leased
   workers itself and owns their results, so those items never pass through the controller
-  (which costs ~5-6 ms of its CPU per item); it still sizes the pool from their busy time
-  (each worker's stats) and the ranks' reports.
+  (~5-6 ms of its CPU per item in a one-rank run here, its own start included:
+  docs/architecture.md); it still sizes the pool from their busy time (each worker's stats)
+  and the ranks' reports.
 * :class:`~ray_ingest.execution.sharedworker.SharedDecodeWorker`: a decode actor
   (``decode.num_cpus``, ``decode.label_selector``) decoding one item at a time on its main
   thread (the second it holds queued behind it), called by the controller or, leased, by its
