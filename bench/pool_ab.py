@@ -58,5 +58,6 @@ def main() -> None:
                       f"{stats}", flush=True)
                 time.sleep(4.0)  # past the controller's linger: the next run starts a new pool
 
+
 if __name__ == "__main__":
     main()

@@ -314,7 +314,7 @@ def lease_workers(workers: Sequence[tuple[str, str | None, int]], takers: Sequen
     look-ahead would take the workers from the last ones' first step (what the queue's start
     floor prevents). Stable: a client keeps the workers it holds while its share allows; free
     ones go least loaded first, the clients in a fixed order."""
-    share = len(workers) // max(ranks, pipelines, 1) if ranks >= pipelines else 0
+    share = len(workers) // ranks if ranks >= max(1, pipelines) else 0
     allowed = set(takers)
     held: collections.Counter[str] = collections.Counter()
     out: dict[str, str | None] = {}

@@ -142,11 +142,9 @@ class _Worker:
     stats: asyncio.Future | None = None
     #: The client it is leased to (kept once retired, until that client stops using it).
     lease: str | None = None
-    #: The worker's leased counters as last read (busy seconds by rank, calls) and the
-    #: process that counted them.
-    lease_seen: dict[int, float] = attrs.field(factory=dict)
-    lease_done_seen: int = 0
-    lease_process: str | None = None
+    #: The worker's stats as last read (its leased counters and the process that counted
+    #: them; None: not read yet).
+    last_stats: dict[str, Any] | None = None
 
 
 @attrs.define
@@ -489,15 +487,15 @@ class DecodeService:
     def _count_leased(self, w: _Worker, st: dict[str, Any]) -> None:
         """A worker's leased calls since its last stats: their busy time goes to the worker's
         and their ranks' (as a shared call's end does), their number to the items completed."""
-        restarted = st["process"] != w.lease_process  # a new process counts from 0
-        done0, busy0 = (0, {}) if restarted else (w.lease_done_seen, w.lease_seen)
-        self.completed += st["leased_done"] - done0
-        self.leased_done += st["leased_done"] - done0
+        last = w.last_stats
+        if last is None or last["process"] != st["process"]:  # a new process counts from 0
+            last = {"leased_done": 0, "leased_busy": {}}
+        self.completed += st["leased_done"] - last["leased_done"]
+        self.leased_done += st["leased_done"] - last["leased_done"]
         for rank, s in st["leased_busy"].items():
-            w.busy_s += s - busy0.get(rank, 0.0)
-            w.by_rank[rank] = w.by_rank.get(rank, 0.0) + s - busy0.get(rank, 0.0)
-        w.lease_done_seen, w.lease_seen = st["leased_done"], dict(st["leased_busy"])
-        w.lease_process = st["process"]
+            w.busy_s += s - last["leased_busy"].get(rank, 0.0)
+            w.by_rank[rank] = w.by_rank.get(rank, 0.0) + s - last["leased_busy"].get(rank, 0.0)
+        w.last_stats = st
 
     async def _came_up(self, w: _Worker) -> None:
         """A new worker takes items as soon as it is up, not at the next control period (a
