@@ -9,15 +9,18 @@ whose worker or blocks were lost resubmitted in its place, a stall error after
 job's controller, tagged with the step its rows are for; the controller hands it to a worker
 once it is the earliest step waiting and a worker has room, and answers with the reference of
 the worker's result, which the rank then takes from the worker's node like any other block.
-The pool's size is the controller's decision, from every rank's data-wait (which each rank
-reports) and the workers' busy time. Where the controller leased this rank whole workers (each
-decoding rank can have one), the rank calls them itself, :data:`PER_WORKER` calls each, as on a
-pool of its own: those items skip the controller, and the rank owns their results.
+The controller is a shared actor, or, for a job of one pipeline, hosted in the rank's process
+(:mod:`ray_ingest.execution.hosted`). The pool's size is the controller's decision, from every
+rank's data-wait (which each rank reports) and the workers' busy time. Where the controller
+leased this rank whole workers (each decoding rank can have one), the rank calls them itself,
+:data:`PER_WORKER` calls each, as on a pool of its own: those items skip the controller, and the
+rank owns their results.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import itertools
 import time
@@ -30,7 +33,7 @@ import ray
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.config import Config
 from ray_ingest.decode.sizing import block_rows
-from ray_ingest.execution import service
+from ray_ingest.execution import hosted, service
 from ray_ingest.execution.fairshare import TakeRate, ahead_calls, step_key, window_calls
 from ray_ingest.execution.pool import (
     PER_WORKER,
@@ -132,11 +135,11 @@ class JobPoolExecution(PoolExecution):
         """Join the job's controller (a new one if the last one is ending)."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
-            handle = service.connect(self.cfg, self.pipelines, self.dataset)
+            handle = hosted.controller(self.cfg, self.pipelines, self.dataset)
             try:
-                view = ray.get(handle.join.remote(self.client, self.rank, self._tags, True),
-                               timeout=JOIN_TIMEOUT_S)
-            except ray.exceptions.RayActorError:
+                view = hosted.answer(handle.join.remote(self.client, self.rank, self._tags,
+                                                         True), JOIN_TIMEOUT_S)
+            except (ray.exceptions.RayActorError, concurrent.futures.CancelledError):
                 view = None  # it ended as we asked: its name is free again shortly
             if view is not None:
                 self._service = handle
@@ -165,12 +168,12 @@ class JobPoolExecution(PoolExecution):
         and apply the answers (never blocks on the controller)."""
         if self._reports:
             refs = [ref for _, ref in self._reports]
-            ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            ready = hosted.answered(refs, 0)
             for n, ref in [r for r in self._reports if r[1] in ready]:
                 self._reports.remove((n, ref))
                 try:
-                    view = ray.get(ref)
-                except ray.exceptions.RayActorError:
+                    view = hosted.answer(ref)
+                except (ray.exceptions.RayActorError, concurrent.futures.CancelledError):
                     view = None
                 if view is None:  # the controller ended or forgot this rank: join again
                     self._reports.clear()
@@ -215,12 +218,11 @@ class JobPoolExecution(PoolExecution):
     def _resolved(self, call: _JobCall, timeout: float) -> bool:
         """Whether the worker's result is ready (resolving the controller's answer first)."""
         if call.ref is None:
-            ready, _ = ray.wait([call.outer], timeout=timeout)
-            if not ready:
+            if not hosted.answered([call.outer], timeout):
                 return False
             try:
-                answer = ray.get(call.outer)
-            except ray.exceptions.RayError:
+                answer = hosted.answer(call.outer)
+            except (ray.exceptions.RayError, concurrent.futures.CancelledError):
                 answer = None
             if answer is None:  # the controller ended: join the next one, submit again
                 self._join()

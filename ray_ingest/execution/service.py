@@ -28,8 +28,9 @@ decode actors that every rank of a job draws from, and the controller that feeds
   rank.
 
 The job's driver starts the controller before Ray Train starts the ranks (:func:`prestart`);
-otherwise the first rank does. The rank side (its ordered window, resubmits, stall checks) is
-:class:`ray_ingest.execution.jobpool.JobPoolExecution`.
+otherwise the first rank does, and a job of one pipeline runs it in its rank's process
+(:mod:`ray_ingest.execution.hosted`). The rank side (its ordered window, resubmits, stall
+checks) is :class:`ray_ingest.execution.jobpool.JobPoolExecution`.
 """
 
 from __future__ import annotations
@@ -428,8 +429,12 @@ class DecodeService:
                 for w in list(self.workers.values()):
                     ray.kill(w.handle, no_restart=True)
                 self.workers.clear()
-                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                self._exit()
                 return
+
+    def _exit(self) -> None:
+        """The controller's end, its workers killed: the actor's process ends."""
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def _tick(self) -> None:
         now = time.monotonic()

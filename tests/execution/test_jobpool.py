@@ -58,11 +58,17 @@ def _rows(blocks) -> list[tuple]:
 
 
 def _service(cfg, catalog):
-    import ray
+    """The running controller (an actor, or hosted in this process); ValueError if none."""
+    from ray_ingest.execution.hosted import find
 
-    from ray_ingest.execution.service import service_name
+    return find(cfg, catalog.fingerprint)
 
-    return ray.get_actor(service_name(cfg, catalog.fingerprint))
+
+def _ask(call):
+    """A controller call's answer (an actor's or a hosted controller's)."""
+    from ray_ingest.execution.hosted import answer
+
+    return answer(call, 60)
 
 
 def _one_rank(path, **decode):
@@ -113,10 +119,9 @@ def test_two_ranks_share_one_pool_and_get_their_rows_in_order(ray_local, dataset
         t.start()
     for t in threads:
         t.join(120)
-    ray = __import__("ray")
     svc = _service(cfg, catalog)
-    stats = ray.get(svc.stats.remote())
-    pool = {h._actor_id.hex() for h in ray.get(svc.worker_handles.remote())}
+    stats = _ask(svc.stats.remote())
+    pool = {h._actor_id.hex() for h in _ask(svc.worker_handles.remote())}
     for ex in execs.values():
         ex.close()
     for r in (0, 1):
@@ -207,13 +212,12 @@ def test_a_new_worker_takes_items_as_soon_as_it_is_up(ray_local, dataset):
                                            catalog.shard(item.sid), item), timeout=60)
         blocks = ray.get(answer[0], timeout=60)
         assert _rows(blocks) == _rows(LocalExecution(cfg, catalog, [item]).blocks())
-        assert len(ray.get(svc.stats.remote())["history"]) == 1  # the join's tick alone
+        assert len(_ask(svc.stats.remote())["history"]) == 1  # the join's tick alone
     finally:
         ray.kill(svc)
 
 
 def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_local, dataset):
-    import ray
 
     from ray_ingest.loader.ingest import IngestLoader
     from tests.loader.test_metrics import SCRAPE_TIMEOUT_S, scrape, total
@@ -233,8 +237,8 @@ def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_loca
                 # for nothing, until the pool has shrunk (at most 30 s): its four workers may
                 # take ~3 s to start on a loaded machine, and the shrink's hold starts after
                 service = _service(cfg, catalog)
-                _until(lambda s=service: ray.get(s.stats.remote())["target"] == 1, 30.0, 0.25)
-                stats = ray.get(service.stats.remote())
+                _until(lambda s=service: _ask(s.stats.remote())["target"] == 1, 30.0, 0.25)
+                stats = _ask(service.stats.remote())
     assert len(seen) == len(set(seen)) == 80
     hist = stats["history"]
     assert hist[0]["target"] == 4  # started with what the cluster had room for, within 4
@@ -268,13 +272,13 @@ def test_a_worker_killed_mid_stream_is_resubmitted_in_place(ray_local, dataset):
         it = ex.blocks()
         got = [next(it)]
         svc = _service(cfg, catalog)
-        handles = ray.get(svc.worker_handles.remote())
+        handles = _ask(svc.worker_handles.remote())
         while len(handles) < 2:  # both workers up
             got.append(next(it))
-            handles = ray.get(svc.worker_handles.remote())
+            handles = _ask(svc.worker_handles.remote())
         ray.kill(handles[0], no_restart=True)  # it holds calls: the pool keeps both busy
         got += list(it)
-        stats = ray.get(svc.stats.remote())
+        stats = _ask(svc.stats.remote())
     finally:
         ex.close()
     assert _rows(got) == _rows(LocalExecution(cfg, catalog, items).blocks())
@@ -341,7 +345,7 @@ def test_a_new_steps_report_goes_beside_an_unanswered_one_and_both_answers_count
         while ex._service is reports:  # the older answer: join again (a real controller)
             assert time.monotonic() < deadline
             ex._admit(0.02)
-        assert ray.get(_service(cfg, catalog).stats.remote())["ranks"] == 1  # it knows the rank
+        assert _ask(_service(cfg, catalog).stats.remote())["ranks"] == 1  # it knows the rank
     finally:
         ex.close()
     assert _gone(cfg, catalog)
@@ -351,7 +355,6 @@ def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
     """jobs/train.py's driver starts the pool before Ray Train starts the ranks: a rank's
     config (the job's train_loop_config, storage options sealed and revealed, decode.compute
     resolved) names the same controller, and its items go to the pre-started workers."""
-    import ray
 
     from ray_ingest.execution.opener import prestart_job_pool, with_compute
     from ray_ingest.execution.service import service_name
@@ -371,12 +374,12 @@ def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
     assert not prestart_job_pool(auto, catalog.fingerprint, 2)  # one small node: process
     assert prestart_job_pool(cfg, catalog.fingerprint, 2)
     svc = _service(cfg, catalog)
-    before = ray.get(svc.stats.remote())
+    before = _ask(svc.stats.remote())
     assert before["ranks"] == 0 and before["started"] == 4  # pool_max 2 x 2 pipelines
     loader = IngestLoader(rank_cfg, Topology(world_size=2, rank=0, read_workers=1),
                           catalog=catalog)
     n = sum(len(b.sids) for _, bs in loader.epochs(1) for b in bs)
-    after = ray.get(svc.stats.remote())
+    after = _ask(svc.stats.remote())
     assert n == 40 and after["started"] == 4 and after["dispatched"] > 0
     assert _gone(cfg, catalog)
 
@@ -757,7 +760,7 @@ def test_a_rank_alone_decodes_on_its_leased_workers_and_survives_losing_one(ray_
         got += list(it)
         svc = _service(cfg, catalog)
         deadline = time.monotonic() + 30  # leased calls are counted from the workers' stats
-        while (stats := ray.get(svc.stats.remote()))["leased_done"] < ex.leased - 2:
+        while (stats := _ask(svc.stats.remote()))["leased_done"] < ex.leased - 2:
             assert time.monotonic() < deadline, (stats["leased_done"], ex.leased)
             time.sleep(0.2)
     finally:
@@ -768,4 +771,54 @@ def test_a_rank_alone_decodes_on_its_leased_workers_and_survives_losing_one(ray_
     assert stats["dispatched"] + ex.leased >= len(items) and stats["lost"] == 1
     assert stats["dispatched"] < len(items)  # not round trips to the dead worker
     assert stats["rank_busy_s"][0] >= 0.1 * len(items)  # 0.15 s each
+    assert _gone(cfg, catalog)
+
+
+def test_a_job_of_one_pipeline_hosts_its_controller_in_the_ranks_process(ray_local, dataset):
+    """No driver pre-started a pool and the job has one pipeline: its controller runs in the
+    rank's process (no actor of its name), leases the rank its workers, ends with them
+    LINGER_S after the rank left (its thread too), and the rank's next execution gets a new
+    one; a pool the driver pre-started is joined instead (an actor)."""
+    import ray
+    from ray._private import state
+
+    from ray_ingest.execution import hosted, service
+    from ray_ingest.execution.jobpool import JobPoolExecution
+
+    cfg, catalog, items, ex = _one_rank(dataset, sim_cost_s=0.02)
+
+    def hosts() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "ray_ingest-controller"]
+
+    try:
+        got = list(ex.blocks())
+        host = _service(cfg, catalog)
+        assert isinstance(host, hosted.InProcessController) and hosts()
+        with pytest.raises(ValueError):
+            ray.get_actor(host.name)
+        workers = {h._actor_id.hex() for h in _ask(host.worker_handles.remote())}
+        stats = _ask(host.stats.remote())
+    finally:
+        ex.close()
+    assert _rows(got) == _rows(LocalExecution(cfg, catalog, items).blocks())
+    assert ex.leased > 0 and stats["started"] == 2 and stats["ranks"] == 1
+    assert _gone(cfg, catalog) and _until(lambda: not hosts(), 10.0)
+    assert _until(lambda: all(state.actors(w)["State"] == "DEAD" for w in workers))
+
+    again = JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)  # a new controller
+    try:
+        assert _rows(list(again.blocks())) == _rows(got)
+        assert _service(cfg, catalog) is not host
+    finally:
+        again.close()
+    assert _gone(cfg, catalog)
+
+    handle = service.prestart(cfg, 1, catalog.fingerprint)  # the driver's
+    joined = JobPoolExecution(cfg, catalog, items, rank=0, pipelines=1)
+    try:
+        assert _rows(list(joined.blocks())) == _rows(got)
+        assert _service(cfg, catalog)._actor_id == handle._actor_id
+        assert _ask(handle.stats.remote())["ranks"] == 1
+    finally:
+        joined.close()
     assert _gone(cfg, catalog)

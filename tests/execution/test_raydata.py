@@ -280,12 +280,11 @@ def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path, sc
                 before = set(loader.actors_seen)
                 time.sleep(12)
         if epoch == 1 and scope == "job":  # the execution is still open: the pool is up
-            import ray
 
-            from ray_ingest.execution.service import service_name
+            from ray_ingest.execution.hosted import answer, find
 
-            svc = ray.get_actor(service_name(cfg, load_catalog([out]).fingerprint))
-            job_stats = ray.get(svc.stats.remote())
+            svc = find(cfg, load_catalog([out]).fingerprint)  # hosted here: one pipeline
+            job_stats = answer(svc.stats.remote())
     assert loader.executions == 1 and before
     assert before <= loader.actors_seen and len(loader.actors_seen) <= 2
     if scope == "rank":
