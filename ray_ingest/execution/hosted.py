@@ -60,16 +60,15 @@ class InProcessController:
     thread. Its methods are called like an actor handle's (``controller.join.remote(...)``)
     and answer with futures (:func:`answer`)."""
 
-    METHODS = ("join", "submit", "report", "leave", "stats", "worker_handles")
-
     def __init__(self, cfg: Config, pipelines: int, dataset: str, name: str):
         self.name = name
         self.lock = threading.Lock()
         self.ended = False
         self.loop = asyncio.new_event_loop()
         self.service = _Hosted(cfg, pipelines, dataset, self._exit)
-        for method in self.METHODS:
-            setattr(self, method, _Method(self, method))
+        self.join, self.submit = _Method(self, "join"), _Method(self, "submit")
+        self.report, self.leave = _Method(self, "report"), _Method(self, "leave")
+        self.stats, self.worker_handles = _Method(self, "stats"), _Method(self, "worker_handles")
         threading.Thread(target=self._serve, name="ray_ingest-controller", daemon=True).start()
 
     def _serve(self) -> None:
@@ -100,20 +99,21 @@ def controller(cfg: Config, pipelines: int, dataset: str) -> Any:
     job's driver pre-starts it), else a new one: hosted in this process for a job of one
     pipeline (:class:`InProcessController`), a shared actor otherwise (:func:`connect`)."""
     name = service_name(cfg, dataset)
-    with contextlib.suppress(KeyError):
-        return _HOSTED[name]
-    if pipelines > 1:
+    if pipelines > 1 and name not in _HOSTED:
         return connect(cfg, pipelines, dataset)
     with contextlib.suppress(ValueError):
-        return ray.get_actor(name)
+        return _running(name)
     host = _HOSTED[name] = InProcessController(cfg, pipelines, dataset, name)
     return host
 
 
 def find(cfg: Config, dataset: str) -> Any:
-    """The running controller of this config and dataset, hosted here or an actor (for tests
-    and benchmarks); ValueError if there is none."""
-    name = service_name(cfg, dataset)
+    """The running controller of this config and dataset (for tests and benchmarks)."""
+    return _running(service_name(cfg, dataset))
+
+
+def _running(name: str) -> Any:
+    """The controller of this name hosted here, else the actor; ValueError if neither."""
     with contextlib.suppress(KeyError):
         return _HOSTED[name]
     return ray.get_actor(name)
