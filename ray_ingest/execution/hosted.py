@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -28,7 +29,8 @@ from ray_ingest.execution.service import DecodeService, connect, service_name
 class _Hosted(DecodeService):
     """The controller as :class:`InProcessController` hosts it: its end stops the host's loop."""
 
-    def __init__(self, cfg: Config, pipelines: int, dataset: str, on_exit: Any):
+    def __init__(self, cfg: Config, pipelines: int, dataset: str,
+                 on_exit: Callable[[], None]):
         super().__init__(cfg, pipelines, dataset)
         self._on_exit = on_exit
 

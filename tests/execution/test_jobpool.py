@@ -4,7 +4,8 @@ worker decodes its calls one at a time on its main thread and drops a cancelled 
 controller hands out the earliest step first across ranks; a trainer-bound rank's
 pool shrinks to what it keeps busy (long before it is idle), and the job's and the rank's
 decode CPUs reach the metrics endpoint; a worker killed mid-stream costs nothing but a
-resubmit; the controller ends once no rank uses it."""
+resubmit; the controller ends once no rank uses it; a job of one pipeline hosts it in the rank's
+process."""
 
 from __future__ import annotations
 
