@@ -17,25 +17,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from ray_ingest.config import Config
 from ray_ingest.execution.service import DecodeService, connect, service_name
-
-
-class _Hosted(DecodeService):
-    """The controller as :class:`InProcessController` hosts it: its end stops the host's loop."""
-
-    def __init__(self, cfg: Config, pipelines: int, dataset: str,
-                 on_exit: Callable[[], None]):
-        super().__init__(cfg, pipelines, dataset)
-        self._on_exit = on_exit
-
-    def _exit(self) -> None:
-        self._on_exit()
 
 
 class _Method:
@@ -67,7 +54,7 @@ class InProcessController:
         self.lock = threading.Lock()
         self.ended = False
         self.loop = asyncio.new_event_loop()
-        self.service = _Hosted(cfg, pipelines, dataset, self._exit)
+        self.service = DecodeService(cfg, pipelines, dataset, on_exit=self._exit)
         self.join, self.submit = _Method(self, "join"), _Method(self, "submit")
         self.report, self.leave = _Method(self, "report"), _Method(self, "leave")
         self.stats, self.worker_handles = _Method(self, "stats"), _Method(self, "worker_handles")
@@ -131,7 +118,12 @@ def answered(calls: list[Any], timeout: float | None) -> list[Any]:
 
 
 def answer(call: Any, timeout: float | None = None) -> Any:
-    """A controller call's answer (:func:`answered`)."""
-    if isinstance(call, concurrent.futures.Future):
-        return call.result(timeout)
-    return ray.get(call, timeout=timeout)
+    """A controller call's answer (:func:`answered`); None where the controller ended before
+    answering (its actor died, or its hosted call was cancelled), as an ending one answers:
+    the rank joins again."""
+    try:
+        if isinstance(call, concurrent.futures.Future):
+            return call.result(timeout)
+        return ray.get(call, timeout=timeout)
+    except (ray.exceptions.RayActorError, concurrent.futures.CancelledError):
+        return None

@@ -20,7 +20,6 @@ rank owns their results.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import itertools
 import time
@@ -136,11 +135,9 @@ class JobPoolExecution(PoolExecution):
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while True:
             handle = hosted.controller(self.cfg, self.pipelines, self.dataset)
-            try:
-                view = hosted.answer(handle.join.remote(self.client, self.rank, self._tags,
-                                                         True), JOIN_TIMEOUT_S)
-            except (ray.exceptions.RayActorError, concurrent.futures.CancelledError):
-                view = None  # it ended as we asked: its name is free again shortly
+            # None: it ended as we asked, its name is free again shortly
+            view = hosted.answer(handle.join.remote(self.client, self.rank, self._tags, True),
+                                 JOIN_TIMEOUT_S)
             if view is not None:
                 self._service = handle
                 self._apply(view)
@@ -171,10 +168,7 @@ class JobPoolExecution(PoolExecution):
             ready = hosted.answered(refs, 0)
             for n, ref in [r for r in self._reports if r[1] in ready]:
                 self._reports.remove((n, ref))
-                try:
-                    view = hosted.answer(ref)
-                except (ray.exceptions.RayActorError, concurrent.futures.CancelledError):
-                    view = None
+                view = hosted.answer(ref)
                 if view is None:  # the controller ended or forgot this rank: join again
                     self._reports.clear()
                     self._join()
@@ -222,7 +216,7 @@ class JobPoolExecution(PoolExecution):
                 return False
             try:
                 answer = hosted.answer(call.outer)
-            except (ray.exceptions.RayError, concurrent.futures.CancelledError):
+            except ray.exceptions.RayError:
                 answer = None
             if answer is None:  # the controller ended: join the next one, submit again
                 self._join()

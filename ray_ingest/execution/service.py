@@ -43,6 +43,7 @@ import heapq
 import itertools
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -178,9 +179,13 @@ class DecodeService:
         cfg: the run configuration (decode settings; ``pool_min``/``pool_max``).
         pipelines: the job's ranks that build a pipeline (``pool_max`` counts per pipeline).
         dataset: the catalog fingerprint (metric tag).
+        on_exit: called at its end in place of ending the actor's process (None: an actor;
+            :mod:`ray_ingest.execution.hosted` hosts it in a rank's process).
     """
 
-    def __init__(self, cfg: Config, pipelines: int, dataset: str):
+    def __init__(self, cfg: Config, pipelines: int, dataset: str,
+                 on_exit: Callable[[], None] | None = None):
+        self._on_exit = on_exit
         dc = cfg.decode
         self.cfg, self.num_cpus, self.pipelines = cfg, dc.num_cpus, max(1, pipelines)
         self.sizer = Sizer(SizerSettings(lo=dc.pool_min, hi=max(1, dc.pool_max * pipelines),
@@ -433,8 +438,12 @@ class DecodeService:
                 return
 
     def _exit(self) -> None:
-        """The controller's end, its workers killed: the actor's process ends."""
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        """The controller's end, its workers killed: the actor's process ends (or its host's
+        loop, ``on_exit``)."""
+        if self._on_exit is not None:
+            self._on_exit()
+        else:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def _tick(self) -> None:
         now = time.monotonic()
@@ -498,8 +507,9 @@ class DecodeService:
         self.completed += st["leased_done"] - last["leased_done"]
         self.leased_done += st["leased_done"] - last["leased_done"]
         for rank, s in st["leased_busy"].items():
-            w.busy_s += s - last["leased_busy"].get(rank, 0.0)
-            w.by_rank[rank] = w.by_rank.get(rank, 0.0) + s - last["leased_busy"].get(rank, 0.0)
+            added = s - last["leased_busy"].get(rank, 0.0)
+            w.busy_s += added
+            w.by_rank[rank] = w.by_rank.get(rank, 0.0) + added
         w.last_stats = st
 
     async def _came_up(self, w: _Worker) -> None:
