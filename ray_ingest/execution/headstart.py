@@ -4,7 +4,8 @@ A Ray Data execution's decode actors are new processes; on a small node they tak
 start (each imports ``ray.data``) before the first block arrives, once per job and once per
 resume. The consumer's process already has the read and decode code loaded: it reads and decodes
 the first ``loader.head_start_batches`` batches' items itself, in a helper thread one block ahead
-of the consumer, while the Ray execution, which reads only the items after them, starts. The
+of the consumer, while the Ray execution, which reads only the items after them, is built and
+started in another (its imports and its controller's connection are not on the head's path). The
 delivered rows are the same (the same read and decode code, in stream order) and no item is
 decoded twice. What it buys is the train loop's first steps (and their one-off costs: CUDA
 context, autotuning, compilation) overlapping the pool's start, and errors in the data or the
@@ -47,15 +48,17 @@ def split_head(items: Sequence[ReadItem], rows: int) -> tuple[list[ReadItem], li
 
 class HeadStart:
     """An :class:`~ray_ingest.execution.handoff.Execution`: ``local`` serves the head items, then
-    ``remote`` (started at once) the rest (see module docstring).
+    the remote execution (opened and started at once) the rest (see module docstring).
 
     Args:
         local: reads and decodes the head items in this process (:class:`LocalExecution`).
-        remote: the execution reading the items after them (None: the head is everything).
+        open_remote: opens the execution reading the items after them, in a helper thread
+            (None: the head is everything).
     """
 
-    def __init__(self, local: LocalExecution, remote: Execution | None):
-        self._local, self._remote = local, remote
+    def __init__(self, local: LocalExecution, open_remote: Callable[[], Execution] | None):
+        self._local, self._open_remote = local, open_remote
+        self._remote: Execution | None = None
         self._head = Handoff(self._marked(), None, ahead=True, name=HEAD_THREAD)
         self._started = False
         self._starting: threading.Thread | None = None
@@ -69,22 +72,26 @@ class HeadStart:
             yield block
 
     def start(self) -> None:
-        """Start both: the head decodes its first block, the remote execution starts in a
-        helper thread (the job pool's start waits for its controller's answer, ~1 s on a busy
-        node when the controller is new: the head's blocks need not wait for it)."""
+        """Start both: the head decodes its first block, the remote execution is opened and
+        started in a helper thread. Neither waits on the other: opening the job pool's
+        execution imports its modules (~5 ms of CPU on an idle node, 0.04-0.22 s per rank while
+        64 ranks started on 2 cores, bench/scale_out.py part 3), and its start waits for the
+        controller's answer (~1 s on a busy node when the controller is new)."""
         if self._started:
             return
         self._started = True
         self._head.prime()
-        start = getattr(self._remote, "start", None)
-        if start is not None:
-            self._starting = threading.Thread(target=self._start_remote, args=(start,),
-                                              name=START_THREAD, daemon=True)
+        if self._open_remote is not None:
+            self._starting = threading.Thread(target=self._start_remote, name=START_THREAD,
+                                              daemon=True)
             self._starting.start()
 
-    def _start_remote(self, start: Callable[[], None]) -> None:
+    def _start_remote(self) -> None:
         try:
-            start()
+            self._remote = self._open_remote()
+            start = getattr(self._remote, "start", None)
+            if start is not None:
+                start()
         except BaseException as exc:  # raised in the consumer's thread (_remote_started)
             self._start_error = exc
 
@@ -101,7 +108,7 @@ class HeadStart:
         for block in self._head:
             self.head_rows += len(block[SEQ])
             yield block
-        if self._remote is not None:
+        if self._open_remote is not None:
             self._remote_started()
             yield from self._remote.blocks()
 

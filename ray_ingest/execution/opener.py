@@ -87,7 +87,7 @@ class Executions:
             return self._ray(items)
         head, rest = split_head(items, batches * self.cfg.loader.batch_size)
         local = LocalExecution(self.cfg, self.catalog, head, self.tags)
-        self.heads.append(HeadStart(local, self._ray(rest) if rest else None))
+        self.heads.append(HeadStart(local, (lambda: self._ray(rest)) if rest else None))
         return self.heads[-1]
 
     @property

@@ -20,6 +20,7 @@ from ray_ingest.errors import IngestError
 from ray_ingest.execution.headstart import (
     HEAD_ACTOR,
     HEAD_THREAD,
+    START_THREAD,
     HeadStart,
     split_head,
 )
@@ -97,7 +98,7 @@ def test_head_then_remote_deliver_the_executions_rows_in_order(setup, rows, dela
     want = _rows(LocalExecution(cfg, catalog, items).blocks())
     head, rest = split_head(items, rows)
     remote = Delayed(LocalExecution(cfg, catalog, rest), delay) if rest else None
-    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    hs = HeadStart(LocalExecution(cfg, catalog, head), (lambda: remote) if rest else None)
     t0 = time.monotonic()
     blocks = hs.blocks()
     first = next(blocks)
@@ -132,7 +133,7 @@ def test_the_head_does_not_wait_for_the_remote_s_start(setup):
     want = _rows(LocalExecution(cfg, catalog, items).blocks())
     head, rest = split_head(items, 16)
     remote = SlowStart(LocalExecution(cfg, catalog, rest), 1.0)
-    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    hs = HeadStart(LocalExecution(cfg, catalog, head), lambda: remote)
     t0 = time.monotonic()
     hs.start()
     assert time.monotonic() - t0 < 0.5  # the start goes on in a helper thread
@@ -146,9 +147,44 @@ def test_the_head_does_not_wait_for_the_remote_s_start(setup):
     # a failed start is raised in the consumer's thread, after the head's rows
     remote = SlowStart(LocalExecution(cfg, catalog, rest), 0.2,
                        fail=IngestError("decode pool: controller did not answer"))
-    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    hs = HeadStart(LocalExecution(cfg, catalog, head), lambda: remote)
     seen = []
     with pytest.raises(IngestError, match="did not answer"):
+        for b in hs.blocks():
+            seen += b[SEQ].tolist()
+    assert len(seen) == sum(it.count for it in head)
+    hs.close()
+
+
+def test_the_remote_is_opened_in_the_helper_thread_not_before_the_head(setup):
+    """Opening the remote (the job pool's imports, its controller's connection) is not on the
+    head's path: the head's first block does not wait for it; a failed open is raised after
+    the head's rows, in the consumer's thread."""
+    cfg, catalog, items = setup
+    want = _rows(LocalExecution(cfg, catalog, items).blocks())
+    head, rest = split_head(items, 16)
+    opened: list[str] = []
+
+    def open_remote() -> Delayed:
+        time.sleep(1.0)
+        opened.append(threading.current_thread().name)
+        return Delayed(LocalExecution(cfg, catalog, rest), 0.0)
+
+    hs = HeadStart(LocalExecution(cfg, catalog, head), open_remote)
+    t0 = time.monotonic()
+    blocks = hs.blocks()
+    first = next(blocks)
+    assert time.monotonic() - t0 < 0.8 and not opened
+    assert _rows([first, *blocks]) == want and opened == [START_THREAD]
+    assert "remote" in hs.stats()
+    hs.close()
+
+    def refused() -> Delayed:
+        raise IngestError("decode pool: cannot import its modules")
+
+    hs = HeadStart(LocalExecution(cfg, catalog, head), refused)
+    seen = []
+    with pytest.raises(IngestError, match="cannot import"):
         for b in hs.blocks():
             seen += b[SEQ].tolist()
     assert len(seen) == sum(it.count for it in head)
@@ -159,7 +195,7 @@ def test_errors_of_either_part_surface(setup):
     cfg, catalog, items = setup
     head, rest = split_head(items, 16)
     hs = HeadStart(LocalExecution(cfg, catalog, head),
-                   Delayed(LocalExecution(cfg, catalog, rest), 0.1, fail_at=3))
+                   lambda: Delayed(LocalExecution(cfg, catalog, rest), 0.1, fail_at=3))
     with pytest.raises(IngestError, match="index 3: cannot decode"):
         list(hs.blocks())
     hs.close()
@@ -171,7 +207,7 @@ def test_errors_of_either_part_surface(setup):
         yield
 
     local.item_blocks = broken
-    hs = HeadStart(local, Delayed(LocalExecution(cfg, catalog, rest), 0.0))
+    hs = HeadStart(local, lambda: Delayed(LocalExecution(cfg, catalog, rest), 0.0))
     with pytest.raises(IngestError, match="cannot open"):
         list(hs.blocks())
     hs.close()
@@ -181,7 +217,7 @@ def test_close_mid_stream_stops_both_without_hanging(setup):
     cfg, catalog, items = setup
     head, rest = split_head(items, 40)
     remote = Delayed(LocalExecution(cfg, catalog, rest), 0.3)
-    hs = HeadStart(LocalExecution(cfg, catalog, head), remote)
+    hs = HeadStart(LocalExecution(cfg, catalog, head), lambda: remote)
     it = hs.blocks()
     first = next(it)
     assert len(first[SEQ]) == items[0].count and np.all(first[ACTOR] == HEAD_ACTOR)
