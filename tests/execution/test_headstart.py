@@ -128,6 +128,16 @@ class SlowStart(Delayed):
         self.started_at = time.monotonic()
 
 
+def _raises_after_the_head(hs: HeadStart, head: list, match: str) -> None:
+    """``hs`` delivers every row of ``head``, then raises ``match`` in the consumer's thread."""
+    seen = []
+    with pytest.raises(IngestError, match=match):
+        for b in hs.blocks():
+            seen += b[SEQ].tolist()
+    assert len(seen) == sum(it.count for it in head)
+    hs.close()
+
+
 def test_the_head_does_not_wait_for_the_remote_s_start(setup):
     cfg, catalog, items = setup
     want = _rows(LocalExecution(cfg, catalog, items).blocks())
@@ -147,13 +157,8 @@ def test_the_head_does_not_wait_for_the_remote_s_start(setup):
     # a failed start is raised in the consumer's thread, after the head's rows
     remote = SlowStart(LocalExecution(cfg, catalog, rest), 0.2,
                        fail=IngestError("decode pool: controller did not answer"))
-    hs = HeadStart(LocalExecution(cfg, catalog, head), lambda: remote)
-    seen = []
-    with pytest.raises(IngestError, match="did not answer"):
-        for b in hs.blocks():
-            seen += b[SEQ].tolist()
-    assert len(seen) == sum(it.count for it in head)
-    hs.close()
+    _raises_after_the_head(HeadStart(LocalExecution(cfg, catalog, head), lambda: remote),
+                           head, "did not answer")
 
 
 def test_the_remote_is_opened_in_the_helper_thread_not_before_the_head(setup):
@@ -182,13 +187,8 @@ def test_the_remote_is_opened_in_the_helper_thread_not_before_the_head(setup):
     def refused() -> Delayed:
         raise IngestError("decode pool: cannot import its modules")
 
-    hs = HeadStart(LocalExecution(cfg, catalog, head), refused)
-    seen = []
-    with pytest.raises(IngestError, match="cannot import"):
-        for b in hs.blocks():
-            seen += b[SEQ].tolist()
-    assert len(seen) == sum(it.count for it in head)
-    hs.close()
+    _raises_after_the_head(HeadStart(LocalExecution(cfg, catalog, head), refused), head,
+                           "cannot import")
 
 
 def test_errors_of_either_part_surface(setup):
