@@ -74,9 +74,9 @@ class HeadStart:
     def start(self) -> None:
         """Start both: the head decodes its first block, the remote execution is opened and
         started in a helper thread. Neither waits on the other: opening the job pool's
-        execution imports its modules (~5 ms of CPU on an idle node, 0.04-0.22 s per rank while
-        64 ranks started on 2 cores, bench/scale_out.py part 3), and its start waits for the
-        controller's answer (~1 s on a busy node when the controller is new)."""
+        execution imports its modules (~5 ms of CPU on an idle node; 0.04-0.42 s a rank, median
+        0.15, while 64 ranks started on 2 cores, bench/scale_out.py part 3), and its start
+        waits for the controller's answer (~1 s on a busy node when the controller is new)."""
         if self._started:
             return
         self._started = True
