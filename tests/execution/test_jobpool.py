@@ -219,7 +219,6 @@ def test_a_new_worker_takes_items_as_soon_as_it_is_up(ray_local, dataset):
 
 
 def test_a_trainer_bound_rank_gives_back_workers_and_the_metrics_say_so(ray_local, dataset):
-
     from ray_ingest.loader.ingest import IngestLoader
     from tests.loader.test_metrics import SCRAPE_TIMEOUT_S, scrape, total
 
@@ -356,7 +355,6 @@ def test_the_ranks_join_the_pool_the_driver_prestarted(ray_local, dataset):
     """jobs/train.py's driver starts the pool before Ray Train starts the ranks: a rank's
     config (the job's train_loop_config, storage options sealed and revealed, decode.compute
     resolved) names the same controller, and its items go to the pre-started workers."""
-
     from ray_ingest.execution.opener import prestart_job_pool, with_compute
     from ray_ingest.execution.service import service_name
     from ray_ingest.loader.ingest import IngestLoader

@@ -280,7 +280,6 @@ def test_a_pause_in_the_train_loop_keeps_the_decode_pool(ray_local, tmp_path, sc
                 before = set(loader.actors_seen)
                 time.sleep(12)
         if epoch == 1 and scope == "job":  # the execution is still open: the pool is up
-
             from ray_ingest.execution.hosted import answer, find
 
             svc = find(cfg, load_catalog([out]).fingerprint)  # hosted here: one pipeline
