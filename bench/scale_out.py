@@ -146,8 +146,9 @@ def _pss(pid: int) -> int | None:
     return None
 
 
-#: Kinds a process may leave (a worker before it runs a task or an actor, or between tasks).
-TRANSIENT = ("idle_worker", "starting_worker", "forked_driver")
+#: Kinds a process may leave (a worker before it runs a task or an actor, or between tasks; a
+#: child forked but not yet exec'd).
+TRANSIENT = ("idle_worker", "starting_worker", "forked_driver", "forked")
 
 
 def kind_of(cmd: str, pid: int, driver: int) -> str:
@@ -241,9 +242,15 @@ class ProcSampler:
                 kind = self.kind.get(pid)
                 if kind is None or kind in TRANSIENT or kind.startswith("other:") or (
                         kind == "raylet" and self.kind.get(ppid) == "raylet"):
-                    kind = kind_of(_cmdline(pid), pid, self.driver)
+                    cmd = _cmdline(pid)
+                    kind = kind_of(cmd, pid, self.driver)
                     if kind == "raylet" and self.kind.get(ppid) == "raylet":
                         kind = "starting_worker"  # forked by its raylet, not yet exec'd
+                    elif (kind not in ("driver", "forked_driver") and cmd
+                          and cmd == _cmdline(ppid)):
+                        # forked, not yet exec'd (a library running a command): it shows its
+                        # parent's title but is not another process of the parent's kind
+                        kind = "forked"
                     self.kind[pid] = kind
                 if pss:
                     p = _pss(pid)

@@ -7,6 +7,10 @@ planned batches and accounts the driver's and the GCS's CPU.
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -182,6 +186,32 @@ Event stats:
 Event stats:
 \tPublisher.CheckDeadSubscribers - 10 total (1 active), Execution time: mean = 0.01ms, total = 0.10ms, Queueing time: mean = 0.01ms
 """  # noqa: E501
+
+
+def test_a_forked_child_is_not_counted_as_its_parent_s_kind(tmp_path):
+    """A child forked but not yet exec'd shows its parent's command line: the sampler counts it
+    as ``forked``, not as a second process of its parent's kind (the likely cause of one run of
+    the test below that counted three rank processes for two)."""
+    from bench.scale_out import ProcSampler
+
+    script = tmp_path / "forker.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.fork() == 0:\n"
+                      "    time.sleep(60)\n"
+                      "    os._exit(0)\n"
+                      "print('forked', flush=True)\n"
+                      "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline() == b"forked\n"
+        sampler = ProcSampler()
+        sampler.sample()
+        mem = sampler.memory()
+        assert (mem["forker"]["n"], mem["forked"]["n"]) == (1, 1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def test_gcs_event_stats_are_parsed_and_differenced(tmp_path):
