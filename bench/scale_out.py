@@ -240,17 +240,14 @@ class ProcSampler:
                 self.rss[pid] = rss
                 self.peak_rss[pid] = max(self.peak_rss.get(pid, 0), rss)
                 kind = self.kind.get(pid)
-                if kind is None or kind in TRANSIENT or kind.startswith("other:") or (
-                        kind == "raylet" and self.kind.get(ppid) == "raylet"):
+                if kind is None or kind in TRANSIENT or kind.startswith("other:"):
                     cmd = _cmdline(pid)
                     kind = kind_of(cmd, pid, self.driver)
-                    if kind == "raylet" and self.kind.get(ppid) == "raylet":
-                        kind = "starting_worker"  # forked by its raylet, not yet exec'd
-                    elif (kind not in ("driver", "forked_driver") and cmd
-                          and cmd == _cmdline(ppid)):
-                        # forked, not yet exec'd (a library running a command): it shows its
-                        # parent's title but is not another process of the parent's kind
-                        kind = "forked"
+                    if (kind not in ("driver", "forked_driver") and cmd
+                            and cmd == _cmdline(ppid)):
+                        # forked, not yet exec'd: it shows its parent's command line, and is not
+                        # another process of its parent's kind (a raylet's: a worker starting)
+                        kind = "starting_worker" if kind == "raylet" else "forked"
                     self.kind[pid] = kind
                 if pss:
                     p = _pss(pid)
