@@ -89,7 +89,7 @@ def controller(cfg: Config, pipelines: int, dataset: str) -> Any:
     pipeline (:class:`InProcessController`), a shared actor otherwise (:func:`connect`)."""
     name = service_name(cfg, dataset)
     if pipelines > 1 and name not in _HOSTED:
-        return connect(cfg, pipelines, dataset)
+        return connect(cfg, pipelines, dataset, name)
     with contextlib.suppress(ValueError):
         return _running(name)
     host = _HOSTED[name] = InProcessController(cfg, pipelines, dataset, name)

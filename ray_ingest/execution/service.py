@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import heapq
 import itertools
@@ -670,8 +671,16 @@ def prestart(cfg: Config, pipelines: int, dataset: str,
 _HANDLES: dict[str, Any] = {}
 
 
-def connect(cfg: Config, pipelines: int, dataset: str) -> Any:
-    """The job's controller: the running one of this name, or a new one on this node.
+@functools.cache
+def _service_class() -> Any:
+    """The controller's actor class, built once a process: ``ray.remote`` inspects every
+    method of the class (~0.6 ms of CPU a call), and every rank of a process connects."""
+    return ray.remote(DecodeService)
+
+
+def connect(cfg: Config, pipelines: int, dataset: str, name: str | None = None) -> Any:
+    """The job's controller: the running one of this name (``service_name``'s, computed here
+    unless the caller has it), or a new one on this node.
 
     Pinned to this node (the driver's, or a rank's), not merely preferred: Ray's soft
     affinity passes over a node without CPUs (a head with ``resources: {"CPU": 0}``, as
@@ -680,8 +689,8 @@ def connect(cfg: Config, pipelines: int, dataset: str) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
-    name = service_name(cfg, dataset)
-    handle = ray.remote(DecodeService).options(
+    name = name or service_name(cfg, dataset)
+    handle = _service_class().options(
         name=name, get_if_exists=True, num_cpus=0, max_restarts=0,
         lifetime=None, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(cfg, pipelines, dataset)
