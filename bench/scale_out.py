@@ -149,14 +149,16 @@ def _pss(pid: int) -> int | None:
 #: Kinds a process may leave (a worker before it runs a task or an actor, or between tasks; a
 #: child forked but not yet exec'd).
 TRANSIENT = ("idle_worker", "starting_worker", "forked_driver", "forked")
+#: The kind of a child forked but not yet exec'd, by its parent's kind (else ``forked``): it
+#: shows its parent's command line, and is not another process of its parent's kind.
+FORKED_BY = {"raylet": "starting_worker", "driver": "forked_driver",
+             "forked_driver": "forked_driver"}
 
 
 def kind_of(cmd: str, pid: int, driver: int) -> str:
     """A process's kind from its command line (Ray sets ``ray::<actor or task>`` titles)."""
     if pid == driver:
         return "driver"
-    if cmd and cmd == _cmdline(driver):
-        return "forked_driver"  # a child of the driver before it exec'd (a Ray process)
     if cmd.startswith("ray::"):
         title = cmd[5:].split(" ")[0]
         if title in ("IDLE", "IDLE_SPILL_WORKER", "IDLE_RESTORE_WORKER"):
@@ -243,11 +245,8 @@ class ProcSampler:
                 if kind is None or kind in TRANSIENT or kind.startswith("other:"):
                     cmd = _cmdline(pid)
                     kind = kind_of(cmd, pid, self.driver)
-                    if (kind not in ("driver", "forked_driver") and cmd
-                            and cmd == _cmdline(ppid)):
-                        # forked, not yet exec'd: it shows its parent's command line, and is not
-                        # another process of its parent's kind (a raylet's: a worker starting)
-                        kind = "starting_worker" if kind == "raylet" else "forked"
+                    if kind != "driver" and cmd and cmd == _cmdline(ppid):
+                        kind = FORKED_BY.get(self.kind.get(ppid, ""), "forked")
                     self.kind[pid] = kind
                 if pss:
                     p = _pss(pid)
