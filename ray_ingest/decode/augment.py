@@ -10,8 +10,8 @@ benchmark's baselines). Pure Pillow + numpy (no Ray, no torch).
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -219,13 +219,32 @@ _PROBES = (((90, 40), Geometry(24, 24)), ((40, 90), Geometry(24, 24)),
            ((200, 45), Geometry(24, 24, "random")))
 
 
-@functools.cache
+#: Held while :func:`pass_order` probes.
+_PROBING = threading.Lock()
+#: The probe's answer once it ran (empty: not yet).
+_ORDER: list[PassOrder | None] = []
+
+
 def pass_order() -> PassOrder | None:
     """The installed Pillow's pass order, or None (then :func:`resize_crop` resizes whole).
 
-    Checked once per process: :func:`_resize_kept` must equal Pillow's one-call resize on
-    noise images whose passes run in either order; a rule that fails any probe is not used.
+    Probed once per process (:func:`_probe_pass_order`), also when several threads render
+    their first images at once (decode threads, ranks sharing a process): they wait for one
+    probe, ~5 ms of CPU, where ``functools.cache`` would run it in each.
     """
+    if not _ORDER:
+        with _PROBING:
+            if not _ORDER:
+                _ORDER.append(_probe_pass_order())
+    return _ORDER[0]
+
+
+pass_order.cache_clear = _ORDER.clear  # type: ignore[attr-defined]  # the next call probes again
+
+
+def _probe_pass_order() -> PassOrder | None:
+    """:func:`_resize_kept` must equal Pillow's one-call resize on noise images whose passes
+    run in either order; a rule that fails any probe is not used."""
     rng = np.random.default_rng(0)
     images = [(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), geom)
               for (w, h), geom in _PROBES]

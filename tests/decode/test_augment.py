@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
+import threading
+import time
 
 import attrs
 import numpy as np
@@ -94,6 +97,27 @@ def test_grey_and_alpha_images_match_too():
 def test_the_installed_pillow_has_a_known_pass_order():
     # Without one, every image would be resized whole (correct, but the speed-up is gone).
     assert augment.pass_order() is not None
+
+
+def test_threads_rendering_their_first_images_at_once_probe_the_pass_order_once(monkeypatch):
+    """Decode threads (or ranks sharing a process) that render at once wait for one probe."""
+    calls = []
+    real = augment._probe_pass_order
+
+    def slow_probe():
+        calls.append(threading.current_thread().name)
+        time.sleep(0.2)  # the others arrive while it runs
+        return real()
+
+    monkeypatch.setattr(augment, "_probe_pass_order", slow_probe)
+    augment.pass_order.cache_clear()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            orders = list(pool.map(lambda _: augment.pass_order(), range(8)))
+        assert len(calls) == 1 and orders == [orders[0]] * 8 and orders[0] is not None
+        assert augment.pass_order() is orders[0] and len(calls) == 1
+    finally:
+        augment.pass_order.cache_clear()
 
 
 def test_a_wrong_pass_order_is_caught_by_the_probes():
