@@ -48,19 +48,25 @@ def split_head(items: Sequence[ReadItem], rows: int) -> tuple[list[ReadItem], li
 
 class HeadStart:
     """An :class:`~ray_ingest.execution.handoff.Execution`: ``local`` serves the head items, then
-    the remote execution (opened and started at once) the rest (see module docstring).
+    the remote execution the rest (see module docstring).
 
     Args:
         local: reads and decodes the head items in this process (:class:`LocalExecution`).
         open_remote: opens the execution reading the items after them, in a helper thread
             (None: the head is everything).
+        after_first_block: open the remote once the head has decoded its first block, not when
+            the head starts (see :meth:`start`).
     """
 
-    def __init__(self, local: LocalExecution, open_remote: Callable[[], Execution] | None):
+    def __init__(self, local: LocalExecution, open_remote: Callable[[], Execution] | None,
+                 after_first_block: bool = False):
         self._local, self._open_remote = local, open_remote
+        self._after_first_block = after_first_block
         self._remote: Execution | None = None
         self._head = Handoff(self._marked(), None, ahead=True, name=HEAD_THREAD)
-        self._started = False
+        self._started = self._opened = self._closed = False
+        #: Guards opening the remote against :meth:`close` (the head's thread may open it).
+        self._lock = threading.Lock()
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
         #: Rows the head delivered.
@@ -69,19 +75,35 @@ class HeadStart:
     def _marked(self) -> Iterator[Block]:
         for block in self._local.blocks():
             block[ACTOR] = np.full(len(block[SEQ]), HEAD_ACTOR, dtype=object)
+            self._open()
             yield block
+        self._open()  # a head of no blocks
 
     def start(self) -> None:
-        """Start both: the head decodes its first block, the remote execution is opened and
-        started in a helper thread. Neither waits on the other: opening the job pool's
-        execution imports its modules (~5 ms of CPU on an idle node; 0.04-0.42 s a rank, median
-        0.15, while 64 ranks started on 2 cores, bench/scale_out.py part 3), and its start
-        waits for the controller's answer (~1 s on a busy node when the controller is new)."""
+        """Start both: the head decodes its first block, and the remote execution is opened and
+        started in a helper thread, at once or, with ``after_first_block``, once that block is
+        decoded. Neither waits on the other: opening the job pool's execution imports its
+        modules (~5 ms of CPU on an idle node) and its start waits for the controller's answer
+        (~1 s on a busy node when the controller is new).
+
+        ``after_first_block`` is for a job's shared pool: its ranks all join the controller as
+        their loops start, and on a node whose cores they share, those joins (the rank's and
+        the controller's CPU) came before the first batches every rank's first step waits for
+        (bench/scale_out.py part 3, 64 ranks on 2 cores: docs/benchmarks.md). The pool's first
+        block is needed only after the head's, which the rest of the head covers."""
         if self._started:
             return
         self._started = True
         self._head.prime()
-        if self._open_remote is not None:
+        if not self._after_first_block:
+            self._open()
+
+    def _open(self) -> None:
+        """Open and start the remote in a helper thread (once; not after :meth:`close`)."""
+        with self._lock:
+            if self._open_remote is None or self._opened or self._closed:
+                return
+            self._opened = True
             self._starting = threading.Thread(target=self._start_remote, name=START_THREAD,
                                               daemon=True)
             self._starting.start()
@@ -118,6 +140,8 @@ class HeadStart:
         return f"{text}\n{head}" if text else head
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._local.close()
         self._head.close()
         if self._starting is not None:  # closed while the remote starts: let it finish first

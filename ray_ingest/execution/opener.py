@@ -20,6 +20,7 @@ import attrs
 
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.config import Config
+from ray_ingest.decode.augment import pass_order
 from ray_ingest.execution.handoff import Execution
 from ray_ingest.execution.headstart import (
     HeadStart,
@@ -65,6 +66,8 @@ class Executions:
             self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
             cfg = with_compute(cfg, self.compute)
         self.cfg = cfg
+        if custom is None and (self.compute == "threads" or head_start_batches(cfg)):
+            pass_order()  # this process renders images: its one-off probe now, not on a batch
         #: Decode threads of ``compute: threads``.
         self.threads = decode_threads(cfg.decode, node_pipelines)
         #: Executions opened (one per window of epochs).
@@ -87,7 +90,10 @@ class Executions:
             return self._ray(items)
         head, rest = split_head(items, batches * self.cfg.loader.batch_size)
         local = LocalExecution(self.cfg, self.catalog, head, self.tags)
-        self.heads.append(HeadStart(local, (lambda: self._ray(rest)) if rest else None))
+        # a shared pool's controller is joined by every rank at once: after the first block
+        shared_pool = self.job_pool and self.pipelines > 1
+        self.heads.append(HeadStart(local, (lambda: self._ray(rest)) if rest else None,
+                                    after_first_block=shared_pool))
         return self.heads[-1]
 
     @property

@@ -191,6 +191,65 @@ def test_the_remote_is_opened_in_the_helper_thread_not_before_the_head(setup):
                            "cannot import")
 
 
+def test_after_first_block_opens_the_remote_once_the_heads_first_block_is_decoded(setup):
+    """A shared pool's head start (``after_first_block``): the remote is opened in the helper
+    thread only after the head decoded its first block, and the rows are the same; closed
+    before that block, it opens no remote at all."""
+    cfg, catalog, items = setup
+    want = _rows(LocalExecution(cfg, catalog, items).blocks())
+    head, rest = split_head(items, 16)
+    decoded: list[int] = []
+    opened: list[tuple[str, int]] = []
+    gate = threading.Event()
+
+    def head_local() -> LocalExecution:
+        """The head's execution; each block decoded once ``gate`` is set, then counted."""
+        local = LocalExecution(cfg, catalog, head)
+        real = local.item_blocks
+
+        def counted(item):
+            gate.wait(10)
+            for block in real(item):
+                decoded.append(len(block[SEQ]))
+                yield block
+
+        local.item_blocks = counted
+        return local
+
+    def open_remote() -> Delayed:
+        opened.append((threading.current_thread().name, len(decoded)))
+        return Delayed(LocalExecution(cfg, catalog, rest), 0.0)
+
+    gate.set()
+    hs = HeadStart(head_local(), open_remote, after_first_block=True)
+    assert _rows(hs.blocks()) == want
+    assert opened == [(START_THREAD, 1)]  # after the first block, before the second
+    hs.close()
+
+    # closed while the head waits to decode its first block: no remote is ever opened
+    gate.clear()
+    decoded.clear()
+    opened.clear()
+    hs = HeadStart(head_local(), open_remote, after_first_block=True)
+    hs.start()
+    hs.close()
+    gate.set()
+    time.sleep(0.3)
+    assert opened == []
+
+    # as shipped for a rank's own pool: opened when the head starts, before its first block
+    gate.clear()
+    decoded.clear()
+    hs = HeadStart(head_local(), open_remote)
+    hs.start()
+    deadline = time.monotonic() + 10
+    while not opened and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert opened == [(START_THREAD, 0)]
+    gate.set()
+    hs.close()
+
+
 def test_errors_of_either_part_surface(setup):
     cfg, catalog, items = setup
     head, rest = split_head(items, 16)
@@ -243,3 +302,27 @@ def test_head_start_batches_resolve(decode, loader, batches):
 
     cfg = config_from_dict({"data": {"paths": ["/nowhere"]}, "decode": decode, "loader": loader})
     assert head_start_batches(cfg) == batches
+
+
+@pytest.mark.parametrize(("world", "scope", "after"), [
+    (4, "job", True),    # the job's shared pool: its controller joined after the first block
+    (1, "job", False),   # one pipeline: the controller is hosted in the rank's process
+    (4, "rank", False),  # the rank's own pool
+])
+def test_executions_open_a_shared_pool_after_the_heads_first_block(setup, monkeypatch, world,
+                                                                  scope, after):
+    """Which head starts wait for their first block; and the loader's construction probes the
+    resize's pass order (its first batch does not)."""
+    from ray_ingest.decode import augment
+    from ray_ingest.execution import opener
+
+    cfg, catalog, items = setup
+    cfg = config_from_dict({**cfg.to_dict(), "decode": {"resolution": 16, "compute": "actors",
+                                                        "pool_scope": scope}})
+    monkeypatch.setattr(opener, "_ray_nodes", lambda: 2)
+    augment.pass_order.cache_clear()
+    ex = opener.Executions(cfg, catalog, Topology(world, 0, 1))
+    assert augment._ORDER  # probed here, at construction
+    hs = ex(items)  # not started: nothing is opened, no Ray is needed
+    assert isinstance(hs, HeadStart) and hs._after_first_block is after
+    hs.close()
