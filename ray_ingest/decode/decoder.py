@@ -51,6 +51,7 @@ from ray_ingest.decode import jpeg
 from ray_ingest.decode.augment import (
     draft_for,
     oriented,
+    pass_order,
     render,
     render_array,
     resamples_as_image,
@@ -118,6 +119,13 @@ def sim_cost(cfg: DecodeConfig, seed: int, sid: int, index: int) -> float:
     return cfg.sim_cost_s * (1.0 + cfg.sim_cost_jitter * (2.0 * u - 1.0))
 
 
+def prepare_process() -> None:
+    """The one-off work of a process that decodes, done where it starts (a decode worker, a
+    loader being built) rather than on its first sample: the resize's pass-order probe (~5 ms
+    of CPU; more when many ranks start at once on a busy node, bench/scale_out.py part 3)."""
+    pass_order()
+
+
 def modalities_of(names) -> list[str]:
     """The modalities of a block: every column with an extension column beside it."""
     present = set(names)
@@ -137,6 +145,7 @@ class Decoder:
 
     def __init__(self, cfg: DecodeConfig, seed: int = 0, epoch: int = 0, on_error: str = "raise",
                  log_skips: bool = True):
+        prepare_process()
         self.cfg = cfg
         self.log_skips = log_skips
         self.seed = seed

@@ -8,19 +8,21 @@ head start (:mod:`ray_ingest.execution.headstart`) where that applies, the job's
 pool (:class:`~ray_ingest.execution.jobpool.JobPoolExecution`, ``decode.pool_scope: job``), the
 rank's own Ray workers (:class:`~ray_ingest.execution.pool.PoolExecution`: actors with
 ``pool_scope: rank``, tasks, the ``process`` companion) or a Ray Data execution
-(:class:`ray_ingest.execution.raydata.Execution`, with ``loader.fused_read: false``), each
-imported only then. Imports Ray only to open a Ray execution.
+(:class:`ray_ingest.execution.raydata.Execution`, with ``loader.fused_read: false``), whose
+module is imported when the loader is built (not on its first batch). Imports Ray only where a
+Ray execution will be opened.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import attrs
 
 from ray_ingest.catalog.catalog import Catalog
 from ray_ingest.config import Config
-from ray_ingest.decode.augment import pass_order
+from ray_ingest.decode.decoder import prepare_process
 from ray_ingest.execution.handoff import Execution
 from ray_ingest.execution.headstart import (
     HeadStart,
@@ -66,8 +68,17 @@ class Executions:
             self.compute = resolve_compute(cfg.decode, _ray_nodes(), usable_cores())
             cfg = with_compute(cfg, self.compute)
         self.cfg = cfg
+        # one-off work of this process's first batch, done now, while the trainer sets up
         if custom is None and (self.compute == "threads" or head_start_batches(cfg)):
-            pass_order()  # this process renders images: its one-off probe now, not on a batch
+            prepare_process()  # this process decodes (its threads, or the head start)
+        #: The module of the Ray execution this rank opens (None: threads, custom), imported
+        #: here (the job pool's: ~5 ms of CPU on an idle node, its classes built by attrs).
+        self.ray_module: str | None = None
+        if custom is None and self.compute != "threads":
+            self.ray_module = ("jobpool" if self.job_pool else
+                               "pool" if self.compute == "process" or cfg.loader.fused_read
+                               else "raydata")
+            importlib.import_module(f"ray_ingest.execution.{self.ray_module}")
         #: Decode threads of ``compute: threads``.
         self.threads = decode_threads(cfg.decode, node_pipelines)
         #: Executions opened (one per window of epochs).
@@ -91,7 +102,7 @@ class Executions:
         head, rest = split_head(items, batches * self.cfg.loader.batch_size)
         local = LocalExecution(self.cfg, self.catalog, head, self.tags)
         # a shared pool's controller is joined by every rank at once: after the first block
-        shared_pool = self.job_pool and self.pipelines > 1
+        shared_pool = self.ray_module == "jobpool" and self.pipelines > 1
         self.heads.append(HeadStart(local, (lambda: self._ray(rest)) if rest else None,
                                     after_first_block=shared_pool))
         return self.heads[-1]
@@ -109,12 +120,12 @@ class Executions:
 
     def _ray(self, items: list[ReadItem]) -> Execution:
         topo = self.topology
-        if self.job_pool:
+        if self.ray_module == "jobpool":
             from ray_ingest.execution.jobpool import JobPoolExecution
 
             return JobPoolExecution(self.cfg, self.catalog, items, self.tags, topo.rank,
                                     self.pipelines)
-        if self.compute == "process" or self.cfg.loader.fused_read:
+        if self.ray_module == "pool":
             from ray_ingest.execution.pool import PoolExecution
 
             return PoolExecution(self.cfg, self.catalog, items, self.tags, topo.rank,

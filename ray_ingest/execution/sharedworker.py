@@ -11,6 +11,7 @@ import ray
 
 from ray_ingest.catalog.shard import Shard
 from ray_ingest.config import Config
+from ray_ingest.decode.decoder import prepare_process
 from ray_ingest.execution.local import ItemDecoder
 from ray_ingest.plan.epoch import ReadItem
 
@@ -24,6 +25,7 @@ class SharedDecodeWorker:
     calls on it (one running, one queued behind it)."""
 
     def __init__(self, cfg: Config):
+        prepare_process()  # while the pool starts, not on the first item a rank waits for
         self.cfg = cfg
         self._decoders: dict[tuple, ItemDecoder] = {}
         self.node = ray.get_runtime_context().get_node_id()

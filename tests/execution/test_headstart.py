@@ -323,6 +323,7 @@ def test_executions_open_a_shared_pool_after_the_heads_first_block(setup, monkey
     augment.pass_order.cache_clear()
     ex = opener.Executions(cfg, catalog, Topology(world, 0, 1))
     assert augment._ORDER  # probed here, at construction
+    assert ex.ray_module == ("jobpool" if scope == "job" else "pool")  # and its module imported
     hs = ex(items)  # not started: nothing is opened, no Ray is needed
     assert isinstance(hs, HeadStart) and hs._after_first_block is after
     hs.close()
