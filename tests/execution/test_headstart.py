@@ -232,10 +232,10 @@ def test_after_first_block_opens_the_remote_once_the_heads_first_block_is_decode
     opened.clear()
     hs = HeadStart(head_local(), open_remote, after_first_block=True)
     hs.start()
-    hs.close()
-    gate.set()
-    time.sleep(0.3)
-    assert opened == []
+    threading.Timer(0.3, gate.set).start()  # the head goes on once close() has begun
+    hs.close()  # waits for the head's thread
+    assert opened == [] and not any(
+        t.name == HEAD_THREAD and t.is_alive() for t in threading.enumerate())
 
     # as shipped for a rank's own pool: opened when the head starts, before its first block
     gate.clear()
