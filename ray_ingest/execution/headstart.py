@@ -64,9 +64,10 @@ class HeadStart:
         self._after_first_block = after_first_block
         self._remote: Execution | None = None
         self._head = Handoff(self._marked(), None, ahead=True, name=HEAD_THREAD)
-        self._started = self._opened = self._closed = False
+        self._started = self._closed = False
         #: Guards opening the remote against :meth:`close` (the head's thread may open it).
         self._lock = threading.Lock()
+        #: The helper thread opening the remote (None: not opened).
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
         #: Rows the head delivered.
@@ -101,9 +102,8 @@ class HeadStart:
     def _open(self) -> None:
         """Open and start the remote in a helper thread (once; not after :meth:`close`)."""
         with self._lock:
-            if self._open_remote is None or self._opened or self._closed:
+            if self._open_remote is None or self._starting is not None or self._closed:
                 return
-            self._opened = True
             self._starting = threading.Thread(target=self._start_remote, name=START_THREAD,
                                               daemon=True)
             self._starting.start()
@@ -121,7 +121,6 @@ class HeadStart:
         """Wait for the remote's start to finish; its error, if any, raised here."""
         if self._starting is not None:
             self._starting.join()
-            self._starting = None
         if self._start_error is not None:
             raise self._start_error
 
